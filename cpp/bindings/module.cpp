@@ -1,0 +1,19 @@
+// dataecho._core: the compiled half of dataecho. Private; see python/dataecho.
+#include <pybind11/pybind11.h>
+
+#include "dataecho/memory.hpp"
+
+namespace dataecho::py_binding {
+void register_buffer(pybind11::module_& m);
+}
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "Native core of dataecho (private: use the dataecho package).";
+#if defined(DATAECHO_POISON) && DATAECHO_POISON
+  m.attr("POISON") = true;
+#else
+  m.attr("POISON") = false;
+#endif
+  m.attr("POISON_BYTE") = static_cast<int>(dataecho::kPoisonByte);
+  dataecho::py_binding::register_buffer(m);
+}

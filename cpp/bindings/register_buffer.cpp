@@ -1,0 +1,184 @@
+// Binds dataecho::ShuffleBuffer as _core.Buffer. Type conversion, GIL policy and
+// lifetimes only: argument validation with friendly messages lives in Python
+// (dataecho/buffer.py); the checks here only keep a misuse of the private module
+// from touching memory it should not.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "blocking.hpp"
+#include "dataecho/shuffle_buffer.hpp"
+
+namespace dataecho::py_binding {
+
+namespace {
+
+struct FieldSpec {
+  py::dtype dtype;
+  std::vector<py::ssize_t> shape;
+  std::size_t bytes;
+};
+
+class PyBuffer {
+ public:
+  PyBuffer(const std::vector<std::pair<std::vector<py::ssize_t>, py::dtype>>& fields,
+           std::size_t capacity, std::size_t batch_size, double echo_factor, std::uint64_t seed,
+           bool drop_last, std::size_t prefetch, std::size_t initial) {
+    if (fields.empty()) throw py::value_error("fields: expected at least one field");
+    std::vector<std::size_t> bytes;
+    for (const auto& [shape, dtype] : fields) {
+      std::size_t n = static_cast<std::size_t>(dtype.itemsize());
+      for (py::ssize_t d : shape) {
+        if (d <= 0) throw py::value_error("fields: dimensions must be positive");
+        if (n > SIZE_MAX / static_cast<std::size_t>(d)) throw py::value_error("fields: size overflows");
+        n *= static_cast<std::size_t>(d);
+      }
+      if (n == 0) throw py::value_error("fields: zero-size field");
+      specs_.push_back({dtype, shape, n});
+      bytes.push_back(n);
+    }
+    if (capacity == 0 || capacity > Ring::kMaxCapacity) throw py::value_error("capacity: out of range");
+    if (batch_size == 0 || batch_size > capacity) throw py::value_error("batch_size: out of range");
+    if (!(echo_factor >= 1.0 && echo_factor < 4294967296.0))
+      throw py::value_error("echo_factor: out of range");
+    if (prefetch == 0) throw py::value_error("prefetch: must be positive");
+    BufferConfig config;
+    config.capacity = capacity;
+    config.batch_size = batch_size;
+    config.echo_factor = echo_factor;
+    config.seed = seed;
+    config.drop_last = drop_last;
+    config.prefetch = prefetch;
+    config.initial = initial;
+    core_ = std::make_unique<ShuffleBuffer>(ExampleLayout(std::move(bytes), batch_size), config);
+  }
+
+  int put(const std::vector<py::array>& arrays, std::optional<double> timeout_s) {
+    ShuffleBuffer& core = live();
+    const auto pointers = field_pointers(arrays, std::nullopt);
+    return static_cast<int>(
+        call_blocking([&](Deadline d) { return core.put(pointers.data(), d); }, timeout_s));
+  }
+
+  std::pair<int, std::size_t> put_many(const std::vector<py::array>& arrays,
+                                       std::optional<double> timeout_s) {
+    if (arrays.empty() || arrays[0].ndim() < 1) throw py::value_error("examples: expected stacked arrays");
+    const auto n = static_cast<std::size_t>(arrays[0].shape(0));
+    ShuffleBuffer& core = live();
+    const auto pointers = field_pointers(arrays, n);
+    std::size_t done = 0;
+    const Status status = call_blocking(
+        [&](Deadline d) { return core.put_many(pointers.data(), n, done, d); }, timeout_s);
+    return {static_cast<int>(status), done};
+  }
+
+  // Returns (status, arrays): one array per field, each a view of the batch's
+  // memory whose base owns the lease on it.
+  std::pair<int, py::object> next(std::optional<double> timeout_s) {
+    ShuffleBuffer& core = live();
+    Batch batch;
+    const Status status = call_blocking([&](Deadline d) { return core.next(batch, d); }, timeout_s);
+    if (status != Status::kOk) return {static_cast<int>(status), py::none()};
+    py::object owner = py::cast(batch.lease);
+    const ExampleLayout& layout = core.layout();
+    py::tuple arrays(specs_.size());
+    for (std::size_t f = 0; f < specs_.size(); ++f) {
+      std::vector<py::ssize_t> shape{static_cast<py::ssize_t>(batch.rows)};
+      shape.insert(shape.end(), specs_[f].shape.begin(), specs_[f].shape.end());
+      arrays[f] = py::array(specs_[f].dtype, shape, batch.lease->data() + layout.batch_offset(f), owner);
+    }
+    return {static_cast<int>(status), std::move(arrays)};
+  }
+
+  void close() { live().close(); }
+
+  void stop() {
+    ShuffleBuffer& core = live();
+    py::gil_scoped_release nogil;
+    core.stop();
+  }
+
+  py::dict stats() const {
+    const BufferStats s = live().stats();
+    py::dict d;
+    d["fresh"] = s.fresh;
+    d["delivered"] = s.delivered;
+    d["batches"] = s.batches;
+    d["dropped"] = s.dropped;
+    d["resident"] = s.resident;
+    d["producer_wait_s"] = s.producer_wait_s;
+    d["consumer_wait_s"] = s.consumer_wait_s;
+    return d;
+  }
+
+  const ShuffleBuffer& core() const { return live(); }
+
+  // In a forked child the assembler thread does not exist and the core's locks
+  // may be in any state: leak the core (its memory is the child's private copy)
+  // so that nothing joins a thread or takes a lock that cannot be released.
+  void abandon_after_fork() noexcept { (void)core_.release(); }
+
+ private:
+  // One pointer per field; checks every array is C-contiguous with the exact byte count.
+  std::vector<const void*> field_pointers(const std::vector<py::array>& arrays,
+                                          std::optional<std::size_t> rows) const {
+    if (arrays.size() != specs_.size())
+      throw py::value_error("example: expected " + std::to_string(specs_.size()) + " fields, got " +
+                            std::to_string(arrays.size()));
+    std::vector<const void*> pointers;
+    pointers.reserve(arrays.size());
+    for (std::size_t f = 0; f < arrays.size(); ++f) {
+      const py::array& a = arrays[f];
+      const std::size_t expected = specs_[f].bytes * rows.value_or(1);
+      if (!(a.flags() & py::array::c_style) || static_cast<std::size_t>(a.nbytes()) != expected ||
+          (rows && (a.ndim() < 1 || static_cast<std::size_t>(a.shape(0)) != *rows)))
+        throw py::value_error("example: field " + std::to_string(f) +
+                              " is not a C-contiguous array of the declared size");
+      pointers.push_back(a.data());
+    }
+    return pointers;
+  }
+
+  ShuffleBuffer& live() const {
+    if (!core_) throw std::runtime_error("this buffer belongs to the parent process");
+    return *core_;
+  }
+
+  std::vector<FieldSpec> specs_;
+  std::unique_ptr<ShuffleBuffer> core_;  // destroyed (stopped and joined) first
+};
+
+}  // namespace
+
+void register_buffer(py::module_& m) {
+  py::class_<BatchPool::Lease, std::shared_ptr<BatchPool::Lease>>(
+      m, "BatchLease", "Owns one batch's memory; arrays of the batch keep it alive.");
+
+  py::class_<PyBuffer>(m, "Buffer")
+      .def(py::init<const std::vector<std::pair<std::vector<py::ssize_t>, py::dtype>>&, std::size_t,
+                    std::size_t, double, std::uint64_t, bool, std::size_t, std::size_t>(),
+           py::arg("fields"), py::arg("capacity"), py::arg("batch_size"), py::arg("echo_factor"),
+           py::arg("seed"), py::arg("drop_last"), py::arg("prefetch"), py::arg("initial"))
+      .def("put", &PyBuffer::put, py::arg("arrays"), py::arg("timeout_s"))
+      .def("put_many", &PyBuffer::put_many, py::arg("arrays"), py::arg("timeout_s"))
+      .def("next", &PyBuffer::next, py::arg("timeout_s"))
+      .def("close", &PyBuffer::close)
+      .def("stop", &PyBuffer::stop)
+      .def("stats", &PyBuffer::stats)
+      .def("abandon_after_fork", &PyBuffer::abandon_after_fork)
+      .def_property_readonly("initial", [](const PyBuffer& b) { return b.core().config().initial; })
+      .def_property_readonly("slot_stride", [](const PyBuffer& b) { return b.core().layout().slot_stride(); })
+      .def_property_readonly("batch_bytes", [](const PyBuffer& b) { return b.core().layout().batch_bytes(); })
+      .def_property_readonly("batch_blocks_allocated",
+                             [](const PyBuffer& b) { return b.core().batch_blocks_allocated(); });
+
+  m.def("default_initial", &ShuffleBuffer::default_initial, py::arg("capacity"), py::arg("batch_size"));
+}
+
+}  // namespace dataecho::py_binding

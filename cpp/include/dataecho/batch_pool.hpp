@@ -1,0 +1,101 @@
+// Batch memory: a pool of equally sized blocks, leased out one per batch.
+//
+// A batch handed to a consumer is a lease on one block. The block goes back to
+// the pool only when the last owner of the lease lets go (in Python: when no
+// array viewing it is alive), so memory a consumer can see is never reused. If
+// consumers keep batches, the pool allocates more blocks instead of waiting or
+// overwriting: memory use is bounded by prefetch + 1 + batches kept alive.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include <unistd.h>
+
+#include "dataecho/memory.hpp"
+
+namespace dataecho {
+
+class BatchPool : public std::enable_shared_from_this<BatchPool> {
+ public:
+  class Lease;
+
+  static std::shared_ptr<BatchPool> create(std::size_t block_bytes, std::size_t align) {
+    return std::shared_ptr<BatchPool>(new BatchPool(block_bytes, align));
+  }
+
+  // Takes a free block or allocates one; throws std::bad_alloc when memory runs out.
+  std::shared_ptr<Lease> lease() {
+    Block block;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!free_.empty()) {
+        block = std::move(free_.back());
+        free_.pop_back();
+      }
+    }
+    if (block.data() == nullptr) {
+      block = Block::allocate(block_bytes_, align_);
+      std::lock_guard<std::mutex> lock(mutex_);
+      free_.reserve(allocated_ + 1);  // so that give_back never reallocates
+      ++allocated_;
+    }
+    return std::shared_ptr<Lease>(new Lease(shared_from_this(), std::move(block)));
+  }
+
+  std::size_t block_bytes() const noexcept { return block_bytes_; }
+
+  // Blocks ever allocated; a steady value means consumers release what they take.
+  std::size_t allocated() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return allocated_;
+  }
+
+  // One block, owned by whoever holds the lease; returned to the pool on destruction.
+  class Lease {
+   public:
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+    ~Lease() { pool_->give_back(std::move(block_)); }
+    std::byte* data() const noexcept { return block_.data(); }
+
+   private:
+    friend class BatchPool;
+    Lease(std::shared_ptr<BatchPool> pool, Block block)
+        : pool_(std::move(pool)), block_(std::move(block)) {}
+    std::shared_ptr<BatchPool> pool_;  // keeps the pool alive while a batch is
+    Block block_;
+  };
+
+ private:
+  BatchPool(std::size_t block_bytes, std::size_t align) : block_bytes_(block_bytes), align_(align) {}
+
+  void give_back(Block block) noexcept {
+    // In a forked child the mutex may have been copied locked by a thread that no
+    // longer exists: leak the block there rather than deadlock.
+    if (getpid() != owner_pid_) {
+      (void)block.release_unowned();
+      return;
+    }
+    poison(block.data(), block.size());
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_.push_back(std::move(block));  // capacity reserved in lease(): cannot throw
+  }
+
+  const std::size_t block_bytes_;
+  const std::size_t align_;
+  const pid_t owner_pid_ = getpid();
+  mutable std::mutex mutex_;
+  std::vector<Block> free_;
+  std::size_t allocated_ = 0;
+};
+
+// An assembled batch: `rows` examples laid out as ExampleLayout's batch regions.
+struct Batch {
+  std::shared_ptr<BatchPool::Lease> lease;
+  std::size_t rows = 0;
+};
+
+}  // namespace dataecho

@@ -1,0 +1,112 @@
+// Assembled batches waiting for the consumer: at most `limit` (the prefetch depth).
+//
+// One batch passes per hand-off, thousands per second at most, so a mutex costs
+// nothing measurable here and keeps the end-of-stream and error states simple.
+//
+// Synchronization: every state change happens under mutex_ and is followed by
+// notify_all() on the matching EventCount. A waiter registers (prepare_wait, a
+// seq_cst RMW) before taking the mutex to re-check; if its re-check missed a
+// change, its critical section preceded the changer's, so the unlock/lock pair
+// makes the registration visible to the changer's seq_cst load of the waiter count.
+#pragma once
+
+#include <cstddef>
+#include <deque>
+#include <exception>
+#include <mutex>
+
+#include "dataecho/batch_pool.hpp"
+#include "dataecho/wait.hpp"
+
+namespace dataecho {
+
+class ReadyQueue {
+ public:
+  explicit ReadyQueue(std::size_t limit) : limit_(limit) {}
+
+  // Assembler: waits until a batch may be added; false once stopped.
+  bool wait_for_room() {
+    bool stopped = false;
+    block_until(room_, Deadline::never(), [&] {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopped = stopped_;
+      return stopped_ || batches_.size() < limit_;
+    });
+    return !stopped;
+  }
+
+  void push(Batch batch) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      batches_.push_back(std::move(batch));
+    }
+    ready_.notify_all();
+  }
+
+  // Assembler: no more batches; `error` (if any) is raised by the consumer after
+  // the batches already queued.
+  void finish(std::exception_ptr error = nullptr) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      finished_ = true;
+      error_ = std::move(error);
+    }
+    ready_.notify_all();
+  }
+
+  // Anyone: abandon the stream; wakes both sides and drops queued batches.
+  void stop() {
+    std::deque<Batch> dropped;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopped_ = true;
+      dropped.swap(batches_);
+    }
+    ready_.notify_all();
+    room_.notify_all();
+  }
+
+  enum class Pop { kBatch, kEnd, kTimeout };
+
+  // Consumer: the next batch, the end of the stream, or a timeout. Rethrows the
+  // assembler's error once the batches before it are consumed.
+  Pop pop(Batch& out, Deadline deadline) {
+    Pop result = Pop::kTimeout;
+    std::exception_ptr error;
+    block_until(ready_, deadline, [&] {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!batches_.empty() && !stopped_) {
+        out = std::move(batches_.front());
+        batches_.pop_front();
+        result = Pop::kBatch;
+        return true;
+      }
+      if (finished_ || stopped_) {
+        error = stopped_ ? nullptr : error_;
+        result = Pop::kEnd;
+        return true;
+      }
+      return false;
+    });
+    if (result == Pop::kBatch) room_.notify_all();
+    if (error) std::rethrow_exception(error);
+    return result;
+  }
+
+  std::size_t size() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return batches_.size();
+  }
+
+ private:
+  const std::size_t limit_;
+  mutable std::mutex mutex_;
+  std::deque<Batch> batches_;
+  bool finished_ = false;
+  bool stopped_ = false;
+  std::exception_ptr error_;
+  EventCount ready_;  // batches_ non-empty, finished_ or stopped_
+  EventCount room_;   // batches_.size() < limit_ or stopped_
+};
+
+}  // namespace dataecho

@@ -1,0 +1,369 @@
+// The echo-aware shuffle buffer: producers -> slots -> reservoir -> batches -> consumer.
+//
+//  1. A producer pops a free slot index from `free_`, copies one example into the
+//     slot, and pushes the index to `committed_`.
+//  2. The assembler thread (one, native) pops committed slots into the reservoir,
+//     giving each an echo count floor(e) + Bernoulli(e - floor(e)).
+//  3. For each batch it draws resident examples uniformly without replacement,
+//     copies each into the batch (the gather) and decrements its count; a slot
+//     whose count reaches zero goes back to `free_` at once.
+//  4. Finished batches wait in a ReadyQueue of depth `prefetch`, so the
+//     consumer's next() is a pop.
+//
+// Fill policy. Before batch k the assembler takes in committed examples until
+// min(capacity, max(initial, batch_size) + k * batch_size) are resident: the first
+// batch needs only `initial`, and the reservoir then grows by one example per
+// example delivered until it is full (as in WebDataset's shuffle). It never takes
+// in more than the target, so with one producer the output order depends only on
+// the seed and the input, not on thread timing. After close() and once every
+// in-flight put has landed, the target drops to zero and the rest drains.
+//
+// Memory bound: capacity slots + (prefetch + 1) batches + batches the consumer
+// keeps alive. Every slot index is at any time in exactly one of: free_, a
+// producer's hands, committed_, the reservoir.
+//
+// Synchronization:
+//   - slot bytes: producer's writes -> committed_ push (P2) -> assembler's pop (C1)
+//     -> gather; assembler's gather -> free_ push (P2) -> producer's pop (C1).
+//   - close: closed_ is stored seq_cst before every EventCount is notified;
+//     producers test it after raising in_flight_ (seq_cst), and the assembler
+//     declares the input finished only after reading closed_ and then
+//     in_flight_ == 0 and an empty committed_ (see input_finished()).
+#pragma once
+
+#include <atomic>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "dataecho/arena.hpp"
+#include "dataecho/batch_pool.hpp"
+#include "dataecho/config.hpp"
+#include "dataecho/layout.hpp"
+#include "dataecho/memory.hpp"
+#include "dataecho/ready_queue.hpp"
+#include "dataecho/reservoir.hpp"
+#include "dataecho/ring.hpp"
+#include "dataecho/rng.hpp"
+#include "dataecho/wait.hpp"
+
+namespace dataecho {
+
+struct BufferConfig {
+  std::size_t capacity = 4096;
+  std::size_t batch_size = 256;
+  double echo_factor = 1.0;
+  std::uint64_t seed = 0;
+  bool drop_last = false;
+  std::size_t prefetch = 2;
+  std::size_t initial = 0;  // 0: see ShuffleBuffer::default_initial
+};
+
+enum class Status : int { kOk = 0, kClosed = 1, kTimeout = 2 };
+
+struct BufferStats {
+  std::uint64_t fresh = 0;      // examples accepted by put/put_many
+  std::uint64_t delivered = 0;  // examples in batches handed to the consumer
+  std::uint64_t batches = 0;    // batches handed to the consumer
+  std::uint64_t dropped = 0;    // echoes discarded with a short last batch (drop_last)
+  std::uint64_t resident = 0;   // examples in the reservoir with echoes left
+  double producer_wait_s = 0;   // summed over producers: blocked waiting for a free slot
+  double consumer_wait_s = 0;   // consumer blocked waiting for a batch
+};
+
+class ShuffleBuffer {
+ public:
+  // Default for `initial`: a quarter of the buffer, at least one batch, so that
+  // training starts long before a large buffer has filled.
+  static std::size_t default_initial(std::size_t capacity, std::size_t batch_size) noexcept {
+    const std::size_t quarter = capacity / 4;
+    return quarter > batch_size ? quarter : batch_size;
+  }
+
+  ShuffleBuffer(ExampleLayout layout, const BufferConfig& config)
+      : layout_(std::move(layout)),
+        config_(config),
+        echo_base_(static_cast<std::uint32_t>(std::floor(config.echo_factor))),
+        echo_fraction_(config.echo_factor - std::floor(config.echo_factor)),
+        rings_(Block::allocate(2 * Ring::bytes(ring_cells(config.capacity)), kCacheLine)),
+        free_(Ring::create(rings_.data(), ring_cells(config.capacity))),
+        committed_(Ring::create(rings_.data() + Ring::bytes(ring_cells(config.capacity)),
+                                ring_cells(config.capacity))),
+        arena_(config.capacity, layout_.slot_stride(), layout_.slot_align()),
+        pool_(BatchPool::create(layout_.batch_bytes(), layout_.batch_align())),
+        ready_(config.prefetch),
+        reservoir_(config.capacity),
+        rng_(config.seed) {
+    DATAECHO_CHECK(config_.capacity >= 1 && config_.capacity <= Ring::kMaxCapacity);
+    DATAECHO_CHECK(config_.batch_size >= 1 && config_.batch_size <= config_.capacity);
+    DATAECHO_CHECK(config_.prefetch >= 1 && layout_.batch_size() == config_.batch_size);
+    DATAECHO_CHECK(config_.echo_factor >= 1.0 && config_.echo_factor < 4294967296.0);
+    if (config_.initial == 0) config_.initial = default_initial(config_.capacity, config_.batch_size);
+    if (config_.initial > config_.capacity) config_.initial = config_.capacity;
+    for (std::uint32_t slot = 0; slot < config_.capacity; ++slot) {
+      poison(arena_.slot(slot), layout_.slot_stride());
+      DATAECHO_CHECK(free_->try_push(slot));
+    }
+    assembler_ = std::thread([this] { assemble(); });
+  }
+
+  ShuffleBuffer(const ShuffleBuffer&) = delete;
+  ShuffleBuffer& operator=(const ShuffleBuffer&) = delete;
+
+  ~ShuffleBuffer() {
+    stop();
+    if (assembler_.joinable()) assembler_.join();
+  }
+
+  // ---- producers (any thread) ----
+
+  // Copies one example (one pointer per field) into a slot and commits it.
+  Status put(const void* const* fields, Deadline deadline) {
+    std::size_t done = 0;
+    return put_rows(fields, 1, done, deadline, /*stacked=*/false);
+  }
+
+  // Copies rows [done, n) of stacked per-field arrays; `done` advances as rows
+  // land, so a call interrupted by a timeout can be resumed where it stopped.
+  Status put_many(const void* const* fields, std::size_t n, std::size_t& done, Deadline deadline) {
+    return put_rows(fields, n, done, deadline, /*stacked=*/true);
+  }
+
+  // End of input: puts fail from now on; iteration delivers what is left, echoes
+  // included, then ends. Idempotent.
+  void close() noexcept {
+    closed_.store(true, std::memory_order_seq_cst);  // condition store for every waiter below
+    free_->not_empty().notify_all();
+    committed_->not_empty().notify_all();
+  }
+
+  // Abandon: like close(), but the assembler drops what is resident and exits,
+  // and a waiting consumer sees the end at once.
+  void stop() noexcept {
+    stop_.store(true, std::memory_order_seq_cst);
+    close();
+    ready_.stop();
+  }
+
+  bool closed() const noexcept { return closed_.load(std::memory_order_acquire); }
+
+  // ---- consumer (one thread) ----
+
+  // The next batch, kClosed at the end of the stream, or kTimeout.
+  Status next(Batch& out, Deadline deadline) {
+    const auto start = Clock::now();
+    const auto got = ready_.pop(out, deadline);
+    // relaxed: statistics; readers tolerate a slightly stale view.
+    consumer_wait_ns_.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
+    if (got == ReadyQueue::Pop::kTimeout) return Status::kTimeout;
+    if (got == ReadyQueue::Pop::kEnd) return Status::kClosed;
+    delivered_.fetch_add(out.rows, std::memory_order_relaxed);  // relaxed: statistics
+    batches_.fetch_add(1, std::memory_order_relaxed);           // relaxed: statistics
+    return Status::kOk;
+  }
+
+  BufferStats stats() const noexcept {
+    // relaxed: independent counters, each monotone; a snapshot need not be atomic.
+    BufferStats s;
+    s.fresh = fresh_.load(std::memory_order_relaxed);
+    s.delivered = delivered_.load(std::memory_order_relaxed);
+    s.batches = batches_.load(std::memory_order_relaxed);
+    s.dropped = dropped_.load(std::memory_order_relaxed);
+    s.resident = resident_.load(std::memory_order_relaxed);
+    s.producer_wait_s = 1e-9 * static_cast<double>(producer_wait_ns_.load(std::memory_order_relaxed));
+    s.consumer_wait_s = 1e-9 * static_cast<double>(consumer_wait_ns_.load(std::memory_order_relaxed));
+    return s;
+  }
+
+  const ExampleLayout& layout() const noexcept { return layout_; }
+  const BufferConfig& config() const noexcept { return config_; }
+  std::size_t batch_blocks_allocated() const { return pool_->allocated(); }
+
+ private:
+  static std::size_t ring_cells(std::size_t capacity) noexcept {
+    std::size_t cells = 1;
+    while (cells < capacity) cells <<= 1;
+    return cells;
+  }
+
+  static std::uint64_t elapsed_ns(Clock::time_point start) noexcept {
+    return static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
+  }
+
+  Status put_rows(const void* const* fields, std::size_t n, std::size_t& done, Deadline deadline,
+                  bool stacked) {
+    // (I1) raise in_flight_ before testing closed_: pairs with input_finished().
+    in_flight_.fetch_add(1, std::memory_order_seq_cst);
+    Status status = Status::kOk;
+    const std::size_t start = done;
+    while (done < n) {
+      std::uint32_t slot;
+      status = acquire_slot(slot, deadline);
+      if (status != Status::kOk) break;
+      std::byte* dst = arena_.slot(slot);
+      if (stacked)
+        layout_.scatter_row(fields, done, dst);
+      else
+        layout_.scatter(fields, dst);
+      DATAECHO_CHECK(committed_->try_push(slot));  // never full: it has a cell per slot
+      ++done;
+    }
+    // relaxed: statistics.
+    fresh_.fetch_add(done - start, std::memory_order_relaxed);
+    // (I2) seq_cst: the condition store for the assembler's wait in fill(); its
+    // pushes above are ordered before it.
+    // The closed_ load is seq_cst so that it and close()'s store are in one order
+    // with the assembler's in_flight_ read: one of the two sides sees the other.
+    if (in_flight_.fetch_sub(1, std::memory_order_seq_cst) == 1 &&
+        closed_.load(std::memory_order_seq_cst))
+      committed_->not_empty().notify_all();
+    return status;
+  }
+
+  Status acquire_slot(std::uint32_t& slot, Deadline deadline) {
+    // seq_cst: pairs with close(); after it, no new slot is taken.
+    if (closed_.load(std::memory_order_seq_cst)) return Status::kClosed;
+    if (free_->try_pop(slot)) return Status::kOk;
+    const auto start = Clock::now();
+    bool got = false;
+    bool closed = false;
+    const bool woke = block_until(free_->not_empty(), deadline, [&] {
+      if (closed_.load(std::memory_order_seq_cst)) return closed = true;
+      return got = free_->try_pop(slot);
+    });
+    producer_wait_ns_.fetch_add(elapsed_ns(start), std::memory_order_relaxed);  // relaxed: statistics
+    if (got) return Status::kOk;
+    if (closed) return Status::kClosed;
+    return woke ? Status::kClosed : Status::kTimeout;
+  }
+
+  // True when no example can arrive any more: closed, no put in flight, and
+  // committed_ drained. Order matters: closed_ (seq_cst) then in_flight_ (seq_cst,
+  // pairs with I1/I2) then the ring. A put that raised in_flight_ after our read
+  // of it sees closed_ and takes no slot; one that finished before has its pushes
+  // ordered before its decrement, so the final try_pop sees them.
+  bool input_finished(std::uint32_t& slot, bool& got) {
+    got = false;
+    if (!closed_.load(std::memory_order_seq_cst)) return false;
+    if (in_flight_.load(std::memory_order_seq_cst) != 0) return false;
+    got = committed_->try_pop(slot);
+    return !got;
+  }
+
+  void take_in(std::uint32_t slot) {
+    std::uint32_t echoes = echo_base_;
+    if (echo_fraction_ > 0 && rng_.bernoulli(echo_fraction_)) ++echoes;
+    reservoir_.add(slot, echoes);
+  }
+
+  // Takes in committed examples until `target` are resident. Returns false when
+  // the input finished first (the caller then drains what is resident).
+  bool fill(std::size_t target) {
+    while (reservoir_.size() < target) {
+      if (stop_.load(std::memory_order_relaxed)) return false;  // relaxed: polled; exit is best-effort prompt
+      std::uint32_t slot;
+      bool got = false;
+      block_until(committed_->not_empty(), Deadline::never(), [&] {
+        if (committed_->try_pop(slot)) return got = true;
+        if (stop_.load(std::memory_order_seq_cst)) return true;
+        return input_finished(slot, got) || got;
+      });
+      if (!got) return false;
+      take_in(slot);
+    }
+    return true;
+  }
+
+  void assemble() noexcept {
+    try {
+      for (std::uint64_t k = 0;; ++k) {
+        if (!ready_.wait_for_room()) return;  // stopped
+        const std::size_t target = std::min<std::uint64_t>(
+            config_.capacity, std::max(config_.initial, config_.batch_size) + k * config_.batch_size);
+        const bool more_input = fill(target);
+        if (stop_.load(std::memory_order_relaxed)) return;  // relaxed: polled
+        std::size_t rows = config_.batch_size;
+        if (!more_input && reservoir_.echoes_left() < rows) {
+          rows = static_cast<std::size_t>(reservoir_.echoes_left());
+          if (rows == 0 || config_.drop_last) {
+            discard_rest();
+            ready_.finish();
+            return;
+          }
+        }
+        publish_resident();
+        ready_.push(gather(rows));
+      }
+    } catch (...) {
+      ready_.finish(std::current_exception());
+    }
+  }
+
+  Batch gather(std::size_t rows) {
+    Batch batch{pool_->lease(), rows};
+    std::byte* out = batch.lease->data();
+    reservoir_.begin_batch();
+    for (std::size_t row = 0; row < rows; ++row) {
+      const auto draw = reservoir_.draw(rng_);
+      layout_.gather(arena_.slot(draw.slot), out, row);
+      if (draw.last) release_slot(draw.slot);
+    }
+    publish_resident();
+    return batch;
+  }
+
+  void release_slot(std::uint32_t slot) noexcept {
+    poison(arena_.slot(slot), layout_.slot_stride());
+    DATAECHO_CHECK(free_->try_push(slot));  // never full: it has a cell per slot
+  }
+
+  void discard_rest() noexcept {
+    // relaxed: statistics.
+    dropped_.fetch_add(reservoir_.echoes_left(), std::memory_order_relaxed);
+    while (reservoir_.size() > 0) {
+      const auto draw = reservoir_.draw(rng_);
+      if (draw.last) release_slot(draw.slot);
+    }
+    publish_resident();
+  }
+
+  void publish_resident() noexcept {
+    resident_.store(reservoir_.size(), std::memory_order_relaxed);  // relaxed: statistics
+  }
+
+  ExampleLayout layout_;
+  BufferConfig config_;
+  const std::uint32_t echo_base_;
+  const double echo_fraction_;
+
+  Block rings_;
+  Ring* free_;
+  Ring* committed_;
+  SlotArena arena_;
+  std::shared_ptr<BatchPool> pool_;
+  ReadyQueue ready_;
+
+  // Assembler-owned.
+  Reservoir reservoir_;
+  Rng rng_;
+
+  alignas(kCacheLine) std::atomic<bool> closed_{false};
+  std::atomic<bool> stop_{false};
+  alignas(kCacheLine) std::atomic<std::uint64_t> in_flight_{0};
+  alignas(kCacheLine) std::atomic<std::uint64_t> fresh_{0};
+  std::atomic<std::uint64_t> producer_wait_ns_{0};
+  alignas(kCacheLine) std::atomic<std::uint64_t> delivered_{0};
+  std::atomic<std::uint64_t> batches_{0};
+  std::atomic<std::uint64_t> consumer_wait_ns_{0};
+  std::atomic<std::uint64_t> dropped_{0};
+  std::atomic<std::uint64_t> resident_{0};
+
+  std::thread assembler_;  // last: starts after every member above is built
+};
+
+}  // namespace dataecho

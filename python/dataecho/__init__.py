@@ -1,0 +1,14 @@
+"""dataecho: data echoing for input-bound training.
+
+A native, lock-free, echo-aware shuffle buffer that repeats examples already in
+the pipeline (Choi et al., "Faster Neural Network Training with Data Echoing",
+2019) so that the accelerator trains instead of waiting for input.
+"""
+
+from __future__ import annotations
+
+from .buffer import ShuffleBuffer
+from .errors import BufferClosed
+
+__all__ = ["BufferClosed", "ShuffleBuffer", "__version__"]
+__version__ = "0.1.0"

@@ -1,0 +1,69 @@
+"""Argument checks shared by the public constructors: each names the argument."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+import secrets
+from typing import Any
+
+_UINT64 = 1 << 64
+
+
+def positive_int(name: str, value: Any, maximum: int | None = None) -> int:
+    """Returns ``value`` as an int in [1, maximum]; rejects bool and non-integers."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected a positive int, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected a positive int, got {value!r}") from None
+    if number < 1:
+        raise ValueError(f"{name}: expected a positive int, got {number}")
+    if maximum is not None and number > maximum:
+        raise ValueError(f"{name}: expected at most {maximum}, got {number}")
+    return number
+
+
+def real(name: str, value: Any, minimum: float, maximum: float) -> float:
+    """Returns ``value`` as a finite float in [minimum, maximum)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a number, got {value!r}")
+    number = float(value)
+    if not math.isfinite(number) or not minimum <= number < maximum:
+        raise ValueError(f"{name}: expected a finite number in [{minimum:g}, {maximum:g}), got {value!r}")
+    return number
+
+
+def flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected True or False, got {value!r}")
+    return value
+
+
+def seed(value: Any) -> int:
+    """A 64-bit seed: ``value`` itself, or a fresh random one for None."""
+    if value is None:
+        return secrets.randbits(64)
+    if isinstance(value, bool):
+        raise TypeError(f"seed: expected None or a non-negative int, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"seed: expected None or a non-negative int, got {value!r}") from None
+    if not 0 <= number < _UINT64:
+        raise ValueError(f"seed: expected an int in [0, 2**64), got {number}")
+    return number
+
+
+def timeout(value: Any) -> float | None:
+    """None (wait forever) or a non-negative number of seconds."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"timeout: expected None or seconds as a number, got {value!r}")
+    seconds = float(value)
+    if math.isnan(seconds) or seconds < 0:
+        raise ValueError(f"timeout: expected None or a non-negative number of seconds, got {value!r}")
+    return None if math.isinf(seconds) else seconds

@@ -1,0 +1,286 @@
+"""``ShuffleBuffer``: the native echo-aware shuffle buffer, with a NumPy face."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import weakref
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+from . import _checks, _core
+from .errors import BufferClosed
+from .fields import Field, parse_fields, to_field_array
+
+__all__ = ["ShuffleBuffer"]
+
+_OK, _CLOSED, _TIMEOUT = 0, 1, 2
+_MAX_CAPACITY = 1 << 31
+_MAX_ECHO = float(1 << 32)
+_live: weakref.WeakSet[ShuffleBuffer] = weakref.WeakSet()
+
+
+class ShuffleBuffer:
+    """A bounded shuffle buffer that echoes examples and yields shuffled batches.
+
+    Producers (any number of threads) ``put`` examples; each is copied once into
+    a native slot and repeated ``echo_factor`` times on average (``floor(e)``
+    times plus one more with probability ``e - floor(e)``). A native thread
+    draws uniformly among the resident examples, without replacement within a
+    batch, and copies them into batch memory that the yielded arrays view
+    without a further copy. A batch stays valid, unchanged, for as long as any
+    of its arrays is alive.
+
+    Args:
+        fields: ``(shape, dtype)`` for plain array examples, or a mapping
+            ``name -> (shape, dtype)`` for dict examples.
+        capacity: slots, i.e. the most examples resident at once.
+        batch_size: examples per batch; at most ``capacity``.
+        echo_factor: mean number of times each example is delivered, >= 1.
+        seed: seeds the shuffle and the echo draws; None draws a random seed.
+            With one producer, the same seed and input give the same order.
+        drop_last: drop the final batch if it is short.
+        prefetch: batches assembled ahead of the consumer.
+        initial: resident examples needed before the first batch. Defaults to
+            ``max(batch_size, capacity // 4)``. After the first batch the
+            reservoir grows by one example per example delivered until full.
+
+    Raises:
+        TypeError, ValueError: a bad argument, named in the message.
+    """
+
+    def __init__(
+        self,
+        fields: Any,
+        capacity: int = 4096,
+        batch_size: int = 256,
+        echo_factor: float = 1.0,
+        seed: int | None = None,
+        drop_last: bool = False,
+        prefetch: int = 2,
+        initial: int | None = None,
+    ) -> None:
+        self._fields, self._single = parse_fields(fields)
+        capacity = _checks.positive_int("capacity", capacity, _MAX_CAPACITY)
+        batch_size = _checks.positive_int("batch_size", batch_size)
+        if batch_size > capacity:
+            raise ValueError(f"batch_size: {batch_size} is larger than capacity {capacity}")
+        echo_factor = _checks.real("echo_factor", echo_factor, 1.0, _MAX_ECHO)
+        drop_last = _checks.flag("drop_last", drop_last)
+        prefetch = _checks.positive_int("prefetch", prefetch, 1 << 16)
+        if initial is not None:
+            initial = _checks.positive_int("initial", initial, capacity)
+        self._check_sizes(capacity, batch_size)
+        self._core = _core.Buffer(
+            [(f.shape, f.dtype) for f in self._fields],
+            capacity,
+            batch_size,
+            echo_factor,
+            _checks.seed(seed),
+            drop_last,
+            prefetch,
+            initial or 0,
+        )
+        self.capacity = capacity
+        self.batch_size = batch_size
+        self.echo_factor = echo_factor
+        self.drop_last = drop_last
+        self.prefetch = prefetch
+        self.initial = int(self._core.initial)
+        self._names = [f.name for f in self._fields]
+        self._closed = False
+        self._pid = os.getpid()
+        self._consumer = threading.Lock()
+        _live.add(self)
+
+    def _check_sizes(self, capacity: int, batch_size: int) -> None:
+        example = sum(f.nbytes for f in self._fields)
+        for what, count in (("capacity", capacity), ("batch_size", batch_size)):
+            if example * count > 1 << 62:
+                raise ValueError(
+                    f"{what}: {count} examples of {example} bytes overflow the addressable size"
+                )
+
+    @property
+    def fields(self) -> list[Field]:
+        """The declared fields, in order."""
+        return list(self._fields)
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` has been called."""
+        return self._closed
+
+    # ---- producers ----
+
+    def put(self, example: Any, timeout: float | None = None) -> None:
+        """Copies one example into the buffer; blocks while it is full.
+
+        Args:
+            example: a dict ``name -> array`` (or one array for a single field),
+                cast by the rule in :mod:`dataecho.fields`.
+            timeout: seconds to wait for a free slot; None waits forever.
+
+        Raises:
+            BufferClosed: the buffer is closed (also when it closes while waiting).
+            TimeoutError: no slot became free in time.
+            TypeError, ValueError, OverflowError: the example does not fit.
+        """
+        self._check_process()
+        arrays = self._arrays(example, None, "put()")
+        status = self._core.put(arrays, _checks.timeout(timeout))
+        if status == _CLOSED:
+            raise BufferClosed("put(): the ShuffleBuffer is closed")
+        if status == _TIMEOUT:
+            raise TimeoutError(f"put(): no free slot within {timeout} s")
+
+    def put_many(self, examples: Any, timeout: float | None = None) -> None:
+        """Copies n stacked examples (leading axis n) into the buffer.
+
+        Args:
+            examples: a dict ``name -> array`` with a leading axis of the same
+                length n in every field (or one such array for a single field).
+            timeout: seconds to wait, for the whole call; None waits forever.
+
+        Raises:
+            BufferClosed, TimeoutError: as for ``put``. Examples before the
+                failing one are in the buffer; the exception's ``examples_put``
+                attribute says how many.
+            TypeError, ValueError, OverflowError: the examples do not fit.
+        """
+        self._check_process()
+        rows = self._rows(examples)
+        if rows == 0:
+            return
+        arrays = self._arrays(examples, rows, "put_many()")
+        status, done = self._core.put_many(arrays, _checks.timeout(timeout))
+        if status == _OK:
+            return
+        if status == _CLOSED:
+            exc: Exception = BufferClosed(
+                f"put_many(): the ShuffleBuffer is closed ({done} of {rows} examples put)"
+            )
+        else:
+            exc = TimeoutError(f"put_many(): timed out after {timeout} s ({done} of {rows} examples put)")
+        exc.examples_put = done  # type: ignore[attr-defined]
+        raise exc
+
+    def close(self) -> None:
+        """Ends the input: later puts raise BufferClosed, blocked ones are released,
+        and iteration delivers what is left (echoes included), then stops. Idempotent."""
+        self._closed = True
+        if os.getpid() == self._pid:
+            self._core.close()
+
+    # ---- consumer ----
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        return self.next_batch()
+
+    def next_batch(self, timeout: float | None = None) -> Any:
+        """Returns the next batch, waiting up to ``timeout`` seconds.
+
+        Returns:
+            A dict ``name -> ndarray`` of shape ``(batch, *field_shape)``, or one
+            ndarray for single-field buffers. The last batch is shorter unless
+            ``drop_last``.
+
+        Raises:
+            StopIteration: the buffer is closed and everything was delivered.
+            TimeoutError: no batch within ``timeout``.
+            RuntimeError: another thread is iterating this buffer.
+        """
+        self._check_process()
+        if not self._consumer.acquire(blocking=False):
+            raise RuntimeError("ShuffleBuffer: another thread is already iterating this buffer")
+        try:
+            status, arrays = self._core.next(_checks.timeout(timeout))
+        finally:
+            self._consumer.release()
+        if status == _CLOSED:
+            raise StopIteration
+        if status == _TIMEOUT:
+            raise TimeoutError(f"next_batch(): no batch within {timeout} s")
+        return arrays[0] if self._single else dict(zip(self._names, arrays))
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: fresh (examples put), delivered (examples in yielded batches),
+        batches, dropped (echoes lost to drop_last), resident, producer_wait_s,
+        consumer_wait_s, and echo_factor_achieved (delivered / fresh)."""
+        self._check_process()
+        stats = self._core.stats()
+        stats["echo_factor_achieved"] = stats["delivered"] / stats["fresh"] if stats["fresh"] else 0.0
+        return stats
+
+    def __enter__(self) -> ShuffleBuffer:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        fields = (
+            f"{self._fields[0].shape}, {self._fields[0].dtype}"
+            if self._single
+            else ", ".join(f"{f.name}: {f.shape} {f.dtype}" for f in self._fields)
+        )
+        return (
+            f"ShuffleBuffer({fields}; capacity={self.capacity}, batch_size={self.batch_size}, "
+            f"echo_factor={self.echo_factor:g}{', closed' if self._closed else ''})"
+        )
+
+    # ---- internals ----
+
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"ShuffleBuffer was created in process {self._pid} and cannot be used in a forked "
+                f"child ({os.getpid()}); create the buffer in the process that uses it"
+            )
+
+    def _arrays(self, example: Any, rows: int | None, where: str) -> list[np.ndarray]:
+        if self._single:
+            return [to_field_array(example, self._fields[0], rows, where)]
+        if not isinstance(example, Mapping):
+            raise TypeError(f"{where}: expected a dict with fields {self._names}, got {type(example).__name__}")
+        if len(example) != len(self._names) or any(name not in example for name in self._names):
+            missing = [n for n in self._names if n not in example]
+            extra = [k for k in example if k not in self._names]
+            raise ValueError(f"{where}: example fields do not match: missing {missing}, unexpected {extra}")
+        return [to_field_array(example[f.name], f, rows, where) for f in self._fields]
+
+    def _rows(self, examples: Any) -> int:
+        first = examples if self._single else None
+        if not self._single:
+            if not isinstance(examples, Mapping):
+                raise TypeError(
+                    f"put_many(): expected a dict of stacked arrays with fields {self._names}, "
+                    f"got {type(examples).__name__}"
+                )
+            first = examples.get(self._names[0])
+        shape = np.shape(first) if first is not None else ()
+        if len(shape) < 1:
+            raise ValueError("put_many(): expected stacked arrays with a leading axis of examples")
+        return int(shape[0])
+
+
+def _forget_after_fork() -> None:
+    # The child has no assembler thread: leak each core instead of joining it.
+    for buffer in list(_live):
+        buffer._core.abandon_after_fork()
+
+
+def _stop_all() -> None:
+    # At interpreter exit, release blocked producers and stop the assembler threads.
+    for buffer in list(_live):
+        if buffer._pid == os.getpid():
+            buffer._core.stop()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+atexit.register(_stop_all)
