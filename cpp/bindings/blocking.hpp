@@ -1,9 +1,18 @@
 // GIL policy for blocking native calls: run them without the GIL, in slices, so
 // that Ctrl-C reaches the main thread promptly and timeouts are honoured.
+//
+// Shutdown: while the interpreter finalizes, CPython ends any other thread that
+// tries to retake the GIL with pthread_exit, whose forced unwind aborts the
+// process if it crosses a noexcept frame (such as pybind11's gil_scoped_release
+// destructor). So the GIL is released and retaken here by hand, a thread that
+// sees finalization parks instead of retaking it, and the callers' frames hold
+// only borrowed handles, so an unwind in the remaining race needs no Python.
 #pragma once
 
 #include <pybind11/pybind11.h>
 
+#include <atomic>
+#include <exception>
 #include <optional>
 
 #include "dataecho/shuffle_buffer.hpp"
@@ -20,17 +29,38 @@ inline Deadline deadline_from(std::optional<double> timeout_s) {
   return timeout_s ? Deadline::after_seconds(*timeout_s) : Deadline::never();
 }
 
+inline bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+// A daemon thread has no Python work left once the interpreter finalizes: it
+// sleeps here until the process exits.
+[[noreturn]] inline void park_forever() {
+  static std::atomic<std::uint32_t> never{0};
+  for (;;) never.wait(0, std::memory_order_relaxed);  // relaxed: nothing is ever published
+}
+
 // `call(Deadline)` returns a Status; kTimeout at the end of a slice means "not yet".
 template <class Call>
 Status call_blocking(Call&& call, std::optional<double> timeout_s) {
   const Deadline user = deadline_from(timeout_s);
   for (;;) {
     const Deadline slice = user.earlier(Deadline::after_seconds(kSignalCheckSeconds));
-    Status status;
-    {
-      py::gil_scoped_release nogil;
+    Status status = Status::kOk;
+    std::exception_ptr error;
+    PyThreadState* thread_state = PyEval_SaveThread();
+    try {
       status = call(slice);
+    } catch (...) {
+      error = std::current_exception();
     }
+    if (interpreter_finalizing()) park_forever();
+    PyEval_RestoreThread(thread_state);
+    if (error) std::rethrow_exception(error);
     if (status != Status::kTimeout) return status;
     if (PyErr_CheckSignals() != 0) throw py::error_already_set();
     if (user.expired()) return Status::kTimeout;

@@ -59,17 +59,16 @@ class PyBuffer {
     core_ = std::make_unique<ShuffleBuffer>(ExampleLayout(std::move(bytes), batch_size), config);
   }
 
-  int put(const std::vector<py::array>& arrays, std::optional<double> timeout_s) {
+  // `arrays` is borrowed (see blocking.hpp): the caller's list keeps it alive.
+  int put(py::handle arrays, std::optional<double> timeout_s) {
     ShuffleBuffer& core = live();
     const auto pointers = field_pointers(arrays, std::nullopt);
     return static_cast<int>(
         call_blocking([&](Deadline d) { return core.put(pointers.data(), d); }, timeout_s));
   }
 
-  std::pair<int, std::size_t> put_many(const std::vector<py::array>& arrays,
+  std::pair<int, std::size_t> put_many(py::handle arrays, std::size_t n,
                                        std::optional<double> timeout_s) {
-    if (arrays.empty() || arrays[0].ndim() < 1) throw py::value_error("examples: expected stacked arrays");
-    const auto n = static_cast<std::size_t>(arrays[0].shape(0));
     ShuffleBuffer& core = live();
     const auto pointers = field_pointers(arrays, n);
     std::size_t done = 0;
@@ -98,11 +97,7 @@ class PyBuffer {
 
   void close() { live().close(); }
 
-  void stop() {
-    ShuffleBuffer& core = live();
-    py::gil_scoped_release nogil;
-    core.stop();
-  }
+  void stop() { live().stop(); }  // quick: flags and wake-ups only
 
   py::dict stats() const {
     const BufferStats s = live().stats();
@@ -125,16 +120,21 @@ class PyBuffer {
   void abandon_after_fork() noexcept { (void)core_.release(); }
 
  private:
-  // One pointer per field; checks every array is C-contiguous with the exact byte count.
-  std::vector<const void*> field_pointers(const std::vector<py::array>& arrays,
-                                          std::optional<std::size_t> rows) const {
-    if (arrays.size() != specs_.size())
+  // One pointer per field; checks every array is C-contiguous with the exact
+  // byte count. The temporaries it makes are gone when it returns.
+  std::vector<const void*> field_pointers(py::handle arrays, std::optional<std::size_t> rows) const {
+    if (!PyList_Check(arrays.ptr()))
+      throw py::type_error("arrays: expected a list of arrays, one per field");
+    const auto items = py::reinterpret_borrow<py::list>(arrays);
+    if (items.size() != specs_.size())
       throw py::value_error("example: expected " + std::to_string(specs_.size()) + " fields, got " +
-                            std::to_string(arrays.size()));
+                            std::to_string(items.size()));
     std::vector<const void*> pointers;
-    pointers.reserve(arrays.size());
-    for (std::size_t f = 0; f < arrays.size(); ++f) {
-      const py::array& a = arrays[f];
+    pointers.reserve(items.size());
+    for (std::size_t f = 0; f < items.size(); ++f) {
+      if (!py::isinstance<py::array>(items[f]))
+        throw py::type_error("example: field " + std::to_string(f) + " is not a NumPy array");
+      const auto a = py::reinterpret_borrow<py::array>(items[f]);
       const std::size_t expected = specs_[f].bytes * rows.value_or(1);
       if (!(a.flags() & py::array::c_style) || static_cast<std::size_t>(a.nbytes()) != expected ||
           (rows && (a.ndim() < 1 || static_cast<std::size_t>(a.shape(0)) != *rows)))
@@ -166,7 +166,7 @@ void register_buffer(py::module_& m) {
            py::arg("fields"), py::arg("capacity"), py::arg("batch_size"), py::arg("echo_factor"),
            py::arg("seed"), py::arg("drop_last"), py::arg("prefetch"), py::arg("initial"))
       .def("put", &PyBuffer::put, py::arg("arrays"), py::arg("timeout_s"))
-      .def("put_many", &PyBuffer::put_many, py::arg("arrays"), py::arg("timeout_s"))
+      .def("put_many", &PyBuffer::put_many, py::arg("arrays"), py::arg("rows"), py::arg("timeout_s"))
       .def("next", &PyBuffer::next, py::arg("timeout_s"))
       .def("close", &PyBuffer::close)
       .def("stop", &PyBuffer::stop)
@@ -175,6 +175,7 @@ void register_buffer(py::module_& m) {
       .def_property_readonly("initial", [](const PyBuffer& b) { return b.core().config().initial; })
       .def_property_readonly("slot_stride", [](const PyBuffer& b) { return b.core().layout().slot_stride(); })
       .def_property_readonly("batch_bytes", [](const PyBuffer& b) { return b.core().layout().batch_bytes(); })
+      .def_property_readonly("free_slots", [](const PyBuffer& b) { return b.core().free_slots(); })
       .def_property_readonly("batch_blocks_allocated",
                              [](const PyBuffer& b) { return b.core().batch_blocks_allocated(); });
 

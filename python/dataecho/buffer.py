@@ -73,16 +73,23 @@ class ShuffleBuffer:
         if initial is not None:
             initial = _checks.positive_int("initial", initial, capacity)
         self._check_sizes(capacity, batch_size)
-        self._core = _core.Buffer(
-            [(f.shape, f.dtype) for f in self._fields],
-            capacity,
-            batch_size,
-            echo_factor,
-            _checks.seed(seed),
-            drop_last,
-            prefetch,
-            initial or 0,
-        )
+        try:
+            self._core = _core.Buffer(
+                [(f.shape, f.dtype) for f in self._fields],
+                capacity,
+                batch_size,
+                echo_factor,
+                _checks.seed(seed),
+                drop_last,
+                prefetch,
+                initial or 0,
+            )
+        except MemoryError:
+            example = sum(f.nbytes for f in self._fields)
+            raise MemoryError(
+                f"capacity: cannot allocate {capacity} slots of {example} bytes "
+                f"({capacity * example / 2**30:.1f} GiB); lower capacity"
+            ) from None
         self.capacity = capacity
         self.batch_size = batch_size
         self.echo_factor = echo_factor
@@ -155,7 +162,7 @@ class ShuffleBuffer:
         if rows == 0:
             return
         arrays = self._arrays(examples, rows, "put_many()")
-        status, done = self._core.put_many(arrays, _checks.timeout(timeout))
+        status, done = self._core.put_many(arrays, rows, _checks.timeout(timeout))
         if status == _OK:
             return
         if status == _CLOSED:

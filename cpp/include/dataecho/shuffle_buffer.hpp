@@ -182,6 +182,9 @@ class ShuffleBuffer {
   const ExampleLayout& layout() const noexcept { return layout_; }
   const BufferConfig& config() const noexcept { return config_; }
   std::size_t batch_blocks_allocated() const { return pool_->allocated(); }
+  // Free slots right now; equals capacity once everything put has been delivered
+  // (or dropped), which is how tests prove that no slot leaked.
+  std::size_t free_slots() const noexcept { return free_->size_approx(); }
 
  private:
   static std::size_t ring_cells(std::size_t capacity) noexcept {
