@@ -2,7 +2,7 @@
 
 Workload: a producer thread puts examples (single uint8 field of 64 B, 12 KiB or
 150 KiB) into a shuffle buffer; the main thread iterates shuffled batches and
-only reads each batch's shape. Each (size, echo factor) row runs three
+only reads each batch's shape. Each (size, echo factor) row runs four
 contestants, in the same process, one after another:
 
 * dataecho: ``put_many`` over chunks of a pre-generated source array from a
@@ -10,12 +10,17 @@ contestants, in the same process, one after another:
   is drained. Rate = delivered examples / wall time, start-up fill and final
   drain included.
 * gather limit: ``np.take(pool, idx, axis=0, out=batch, mode="clip")`` of
-  random rows from a pool of ``capacity`` examples into one preallocated batch,
-  single-threaded, for as many examples as dataecho delivered (or at most twice
-  the time budget). It is the bytes/s a shuffled batch copy can reach on this
-  machine; dataecho does the same copy out, plus one copy in per fresh
-  example. (``mode="clip"``: with the default ``mode="raise"`` NumPy buffers
-  ``out``, which adds a second copy and understates the limit.)
+  random rows from a pool of ``capacity`` examples into preallocated batches
+  that rotate over ``prefetch + 1`` outputs (as dataecho's batch pool does),
+  single-threaded: one copy per example, the bytes/s a shuffled batch copy can
+  reach on this machine. (``mode="clip"``: with the default ``mode="raise"``
+  NumPy buffers ``out``, which adds a second copy and understates the limit.)
+* two-copy limit: the same gather running at the same time as a second thread
+  copying examples in (``np.copyto`` of ``put_many``-sized chunks), which is
+  what any buffer that copies on ``put`` does; the pipeline can deliver at most
+  ``min(gather rate, echo * copy-in rate)`` with both running. Shown for
+  examples of 4 KiB and more: below that NumPy's per-call overhead, not the
+  memory bus, sets the figure.
 * baseline: what one would write by hand: a producer thread puts single rows
   into a ``queue.Queue``, a consumer thread keeps a Python list of ``capacity``
   entries (random pop by swap with the last; echo as a remaining count,
@@ -23,16 +28,14 @@ contestants, in the same process, one after another:
   to the main thread through a second ``queue.Queue``.
 
 How to read it: higher is better everywhere. "dataecho / gather limit" is the
-fraction of the machine's shuffled-copy bandwidth that dataecho reaches;
-"dataecho / baseline" is the speed-up over the hand-written pipeline. Echo 2
-halves the fresh examples per delivered one, so it should be at least as fast
-as echo 1. The gather limit reuses one output batch, which stays in cache when
-it is small enough (a 64 x 150 KiB batch is 9.8 MB), whereas dataecho writes
-each batch to fresh batch memory; for big examples the limit is therefore on
-the high side. The baseline passes row views and copies once (``np.stack``),
-while dataecho copies each example in and each delivery out, so for big
-examples at echo 1 the two are close. Numbers are from one run on a shared
-machine; compare ratios rather than absolute rates across machines.
+fraction of the machine's one-copy shuffled-gather bandwidth that dataecho
+reaches while also copying every fresh example in; "dataecho / two-copy" is the
+fraction of what a copy-in-then-gather design can reach here; "dataecho /
+baseline" is the speed-up over the hand-written pipeline. The baseline passes
+row views and copies once (``np.stack``), so for big examples it is
+bandwidth-bound too and the two are close. Numbers are from one run on a
+shared machine, where memory bandwidth varies by tens of percent from run to
+run; compare ratios rather than absolute rates across machines.
 
 Usage:
     python bench/bench_buffer.py [--quick] [--seconds S] [--json PATH]
@@ -58,6 +61,7 @@ import dataecho
 
 SOURCE_BYTES = 64 << 20  # largest pre-generated source array
 SOURCE_ROWS = 65536  # most rows in the source array
+PREFETCH = 2  # dataecho's default
 
 
 @dataclass(frozen=True)
@@ -144,7 +148,11 @@ def run_dataecho(case: Case, echo: float, src: np.ndarray, seconds: float) -> di
 
 
 def run_gather(case: Case, src: np.ndarray, examples: int, max_seconds: float) -> dict:
-    """Measures random-row gathers from a pool of ``capacity`` examples into one batch.
+    """Measures random-row gathers from a pool of ``capacity`` examples into batches.
+
+    The batches rotate over ``PREFETCH + 1`` preallocated outputs, as dataecho's
+    batch pool does in steady state, so that neither side writes to a batch that
+    stays in cache.
 
     Args:
         case: example size, pool size (``capacity``) and batch size.
@@ -156,7 +164,7 @@ def run_gather(case: Case, src: np.ndarray, examples: int, max_seconds: float) -
         ``examples`` gathered, ``seconds`` taken and ``ex_s``.
     """
     pool = src[np.arange(case.capacity) % len(src)]  # a fresh, touched copy
-    out = np.empty((case.batch_size, case.nbytes), dtype=np.uint8)
+    outs = [np.zeros((case.batch_size, case.nbytes), dtype=np.uint8) for _ in range(PREFETCH + 1)]
     rng = np.random.default_rng(1)
     # Index sets are drawn up front so that the loop times the copy alone.
     idx_sets = [rng.permutation(case.capacity)[: case.batch_size] for _ in range(64)]
@@ -164,13 +172,63 @@ def run_gather(case: Case, src: np.ndarray, examples: int, max_seconds: float) -
     t0 = time.perf_counter()
     done = 0
     while done < batches:
-        np.take(pool, idx_sets[done % len(idx_sets)], axis=0, out=out, mode="clip")
+        np.take(pool, idx_sets[done % len(idx_sets)], axis=0, out=outs[done % len(outs)], mode="clip")
         done += 1
         if done % 16 == 0 and time.perf_counter() - t0 >= max_seconds:
             break
     elapsed = time.perf_counter() - t0
     gathered = done * case.batch_size
     return {"examples": gathered, "seconds": elapsed, "ex_s": gathered / elapsed}
+
+
+def run_two_copy_limit(case: Case, echo: float, src: np.ndarray, seconds: float) -> dict:
+    """Measures the copy-in and the gather running at once, on two threads.
+
+    Any buffer that copies an example in on ``put`` and out into a batch does
+    both copies; on two cores they share the memory bus. NumPy releases the GIL
+    for both loops. The pipeline can deliver at most ``min(gather rate, echo *
+    copy-in rate)`` with both running, which is this limit.
+
+    Args:
+        case: example size, pool size and batch size.
+        echo: echo factor (each copied-in example feeds ``echo`` deliveries).
+        src: source rows copied in, in chunks of ``case.chunk``.
+        seconds: how long both threads run.
+
+    Returns:
+        ``ex_s``: the delivered examples/s this bound allows, and the two rates.
+    """
+    pool = src[np.arange(case.capacity) % len(src)]
+    slots = np.zeros_like(pool)
+    outs = [np.zeros((case.batch_size, case.nbytes), dtype=np.uint8) for _ in range(PREFETCH + 1)]
+    idx_sets = [np.random.default_rng(i).permutation(case.capacity)[: case.batch_size] for i in range(64)]
+    rates: dict[str, float] = {}
+    start = threading.Barrier(2)
+
+    def copy_in() -> None:
+        start.wait()
+        t0, n = time.perf_counter(), 0
+        while time.perf_counter() - t0 < seconds:
+            s = (n * case.chunk) % (len(src) - case.chunk + 1)
+            d = (n * case.chunk) % (case.capacity - case.chunk + 1)
+            np.copyto(slots[d : d + case.chunk], src[s : s + case.chunk])
+            n += 1
+        rates["copy_in"] = n * case.chunk / (time.perf_counter() - t0)
+
+    def gather() -> None:
+        start.wait()
+        t0, n = time.perf_counter(), 0
+        while time.perf_counter() - t0 < seconds:
+            np.take(pool, idx_sets[n % len(idx_sets)], axis=0, out=outs[n % len(outs)], mode="clip")
+            n += 1
+        rates["gather"] = n * case.batch_size / (time.perf_counter() - t0)
+
+    threads = [threading.Thread(target=f) for f in (copy_in, gather)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"ex_s": min(rates["gather"], echo * rates["copy_in"]), **rates}
 
 
 def run_baseline(case: Case, echo: float, src: np.ndarray, seconds: float) -> dict:
@@ -270,7 +328,7 @@ def targets(rows: list[dict]) -> list[dict]:
         One dict per target: ``target``, the worst ``value`` over echo factors, and ``met``.
     """
     def worst(size: str, key: str) -> float:
-        return min(r[key] for r in rows if r["size"] == size)
+        return min((r[key] for r in rows if r["size"] == size), default=float("nan"))
 
     checks = [
         ("dataecho delivers >= 5e6 64-byte examples/s", worst("64 B", "dataecho_ex_s"), 5e6, "{:.3g} ex/s"),
@@ -280,6 +338,7 @@ def targets(rows: list[dict]) -> list[dict]:
     return [
         {"target": name, "value": value, "threshold": threshold, "shown": fmt.format(value), "met": value >= threshold}
         for name, value, threshold, fmt in checks
+        if not math.isnan(value)
     ]
 
 
@@ -297,14 +356,16 @@ def print_report(info: dict, rows: list[dict], checks: list[dict], seconds: floa
         print(f"  {case.label}: capacity {case.capacity}, batch {case.batch_size}, put_many chunks of {case.chunk}")
     print("higher is better; GB = 1e9 bytes\n")
     header = (
-        "size", "echo", "dataecho ex/s", "dataecho GB/s", "gather-limit GB/s",
-        "dataecho/gather", "baseline ex/s", "dataecho/baseline",
+        "size", "echo", "dataecho ex/s", "dataecho GB/s", "gather-limit GB/s", "dataecho/gather",
+        "two-copy GB/s", "dataecho/two-copy", "baseline ex/s", "dataecho/baseline",
     )
     table = [
         (
             r["size"], f"{r['echo']:g}", f"{r['dataecho_ex_s']:,.0f}", f"{r['dataecho_gb_s']:.2f}",
-            f"{r['gather_gb_s']:.2f}", f"{r['vs_gather']:.2f}", f"{r['baseline_ex_s']:,.0f}",
-            f"{r['vs_baseline']:.1f}x",
+            f"{r['gather_gb_s']:.2f}", f"{r['vs_gather']:.2f}",
+            f"{r['two_copy_gb_s']:.2f}" if r["example_bytes"] >= 4096 else "n/a",
+            f"{r['vs_two_copy']:.2f}" if r["example_bytes"] >= 4096 else "n/a",
+            f"{r['baseline_ex_s']:,.0f}", f"{r['vs_baseline']:.1f}x",
         )
         for r in rows
     ]
@@ -323,16 +384,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="short runs; the whole script takes well under a minute")
     parser.add_argument("--seconds", type=float, default=None, help="time budget per contestant (default 3, quick 1)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    parser.add_argument(
+        "--sizes", default=",".join(c.label.replace(" ", "") for c in CASES),
+        help="comma-separated subset of the sizes, e.g. 64B,150KiB",
+    )
     args = parser.parse_args(argv)
     seconds = args.seconds if args.seconds is not None else (1.0 if args.quick else 3.0)
 
+    wanted = set(args.sizes.split(","))
     rows = []
-    for case in CASES:
+    for case in (c for c in CASES if c.label.replace(" ", "") in wanted):
         src = make_source(case)
         for echo in ECHOES:
             print(f"running {case.label}, echo {echo:g} ...", file=sys.stderr, flush=True)
             de = run_dataecho(case, echo, src, seconds)
             gather = run_gather(case, src, de["examples"], 2 * seconds)
+            two_copy = run_two_copy_limit(case, echo, src, seconds)
             base = run_baseline(case, echo, src, seconds)
             rows.append({
                 "size": case.label,
@@ -344,9 +411,11 @@ def main(argv: list[str] | None = None) -> int:
                 "gather_ex_s": gather["ex_s"],
                 "gather_gb_s": gather["ex_s"] * case.nbytes / 1e9,
                 "vs_gather": de["ex_s"] / gather["ex_s"],
+                "two_copy_gb_s": two_copy["ex_s"] * case.nbytes / 1e9,
+                "vs_two_copy": de["ex_s"] / two_copy["ex_s"],
                 "baseline_ex_s": base["ex_s"],
                 "vs_baseline": de["ex_s"] / base["ex_s"],
-                "runs": {"dataecho": de, "gather": gather, "baseline": base},
+                "runs": {"dataecho": de, "gather": gather, "two_copy": two_copy, "baseline": base},
             })
         del src
 

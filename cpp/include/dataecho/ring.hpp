@@ -56,7 +56,16 @@ class Ring {
 
   std::size_t capacity() const noexcept { return mask_ + 1; }
 
+  // Pushes and wakes sleeping poppers.
   [[nodiscard]] bool try_push(std::uint32_t value) noexcept {
+    if (!try_push_quiet(value)) return false;
+    not_empty_.notify_all();
+    return true;
+  }
+
+  // Pushes without waking anyone: for a caller that pushes several values and
+  // then calls not_empty().notify_all() once (one wake-up instead of one each).
+  [[nodiscard]] bool try_push_quiet(std::uint32_t value) noexcept {
     // relaxed: head_ only arbitrates which pusher owns a position; the data
     // hand-off is ordered by the cell's sequence number.
     std::uint64_t pos = head_.load(std::memory_order_relaxed);
@@ -76,7 +85,6 @@ class Ring {
     }
     cell->value = value;
     cell->seq.store(pos + 1, std::memory_order_seq_cst);  // (P2) publishes; pairs with (C1)
-    not_empty_.notify_all();
     return true;
   }
 

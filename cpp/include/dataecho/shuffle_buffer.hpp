@@ -11,12 +11,19 @@
 //     consumer's next() is a pop.
 //
 // Fill policy. Before batch k the assembler takes in committed examples until
-// min(capacity, max(initial, batch_size) + k * batch_size) are resident: the first
+// min(full, max(initial, batch_size) + k * batch_size) are resident: the first
 // batch needs only `initial`, and the reservoir then grows by one example per
-// example delivered until it is full (as in WebDataset's shuffle). It never takes
-// in more than the target, so with one producer the output order depends only on
-// the seed and the input, not on thread timing. After close() and once every
-// in-flight put has landed, the target drops to zero and the rest drains.
+// example delivered (as in WebDataset's shuffle) until it is `full`, which is
+// capacity - batch_size (at least batch_size and initial): the slots the previous batch freed
+// are refilled by producers while the next batch is gathered, instead of the
+// assembler waiting for the last of them. It never takes in more than the
+// target, so with one producer the output order depends only on the seed and the
+// input, not on thread timing. After close() and once every in-flight put has
+// landed, the target drops to zero and the rest drains.
+//
+// Wake-ups: slots freed during a gather are pushed to free_ at once (a spinning
+// producer takes them) but sleeping producers are woken once per batch, not once
+// per slot: a futex wake is a system call, and on a virtual machine an IPI.
 //
 // Memory bound: capacity slots + (prefetch + 1) batches + batches the consumer
 // keeps alive. Every slot index is at any time in exactly one of: free_, a
@@ -31,6 +38,7 @@
 //     in_flight_ == 0 and an empty committed_ (see input_finished()).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstddef>
@@ -104,6 +112,7 @@ class ShuffleBuffer {
     DATAECHO_CHECK(config_.echo_factor >= 1.0 && config_.echo_factor < 4294967296.0);
     if (config_.initial == 0) config_.initial = default_initial(config_.capacity, config_.batch_size);
     if (config_.initial > config_.capacity) config_.initial = config_.capacity;
+    full_ = std::max({config_.batch_size, config_.capacity - config_.batch_size, config_.initial});
     for (std::uint32_t slot = 0; slot < config_.capacity; ++slot) {
       poison(arena_.slot(slot), layout_.slot_stride());
       DATAECHO_CHECK(free_->try_push(slot));
@@ -287,7 +296,7 @@ class ShuffleBuffer {
       for (std::uint64_t k = 0;; ++k) {
         if (!ready_.wait_for_room()) return;  // stopped
         const std::size_t target = std::min<std::uint64_t>(
-            config_.capacity, std::max(config_.initial, config_.batch_size) + k * config_.batch_size);
+            full_, std::max(config_.initial, config_.batch_size) + k * config_.batch_size);
         const bool more_input = fill(target);
         if (stop_.load(std::memory_order_relaxed)) return;  // relaxed: polled
         std::size_t rows = config_.batch_size;
@@ -316,13 +325,15 @@ class ShuffleBuffer {
       layout_.gather(arena_.slot(draw.slot), out, row);
       if (draw.last) release_slot(draw.slot);
     }
+    free_->not_empty().notify_all();  // one wake-up for the slots this batch freed
     publish_resident();
     return batch;
   }
 
+  // Returns a slot to producers without waking them; callers notify afterwards.
   void release_slot(std::uint32_t slot) noexcept {
     poison(arena_.slot(slot), layout_.slot_stride());
-    DATAECHO_CHECK(free_->try_push(slot));  // never full: it has a cell per slot
+    DATAECHO_CHECK(free_->try_push_quiet(slot));  // never full: it has a cell per slot
   }
 
   void discard_rest() noexcept {
@@ -332,6 +343,7 @@ class ShuffleBuffer {
       const auto draw = reservoir_.draw(rng_);
       if (draw.last) release_slot(draw.slot);
     }
+    free_->not_empty().notify_all();
     publish_resident();
   }
 
@@ -343,6 +355,7 @@ class ShuffleBuffer {
   BufferConfig config_;
   const std::uint32_t echo_base_;
   const double echo_fraction_;
+  std::size_t full_ = 0;  // steady-state fill target
 
   Block rings_;
   Ring* free_;
