@@ -31,7 +31,7 @@ class Reservoir {
 
   // A new example, drawable from the current batch on.
   void add(std::uint32_t slot, std::uint32_t echoes) noexcept {
-    DATAECHO_CHECK(size_ < slots_.size() && echoes >= 1 && echoes_[slot] == 0);
+    DATAECHO_CHECK(size_ < slots_.size() && slot < echoes_.size() && echoes >= 1 && echoes_[slot] == 0);
     slots_[size_] = slots_[available_];
     slots_[available_] = slot;
     ++available_;

@@ -36,6 +36,7 @@ namespace dataecho {
 
 class Ring {
  public:
+  static constexpr std::size_t kMinCapacity = 2;
   static constexpr std::size_t kMaxCapacity = std::size_t{1} << 31;
 
   // Bytes needed for a ring of `capacity` cells (a power of two), rounded up to a
@@ -45,8 +46,10 @@ class Ring {
   }
 
   // Constructs a ring in `memory`, which must be kCacheLine-aligned and hold bytes(capacity).
+  // At least 2 cells: with one, "full at pos" and "free for pos + 1" are the same
+  // sequence number and a push would overwrite an unread value.
   static Ring* create(void* memory, std::size_t capacity, bool process_shared = false) {
-    DATAECHO_CHECK(capacity >= 1 && capacity <= kMaxCapacity && std::has_single_bit(capacity));
+    DATAECHO_CHECK(capacity >= kMinCapacity && capacity <= kMaxCapacity && std::has_single_bit(capacity));
     DATAECHO_CHECK(reinterpret_cast<std::uintptr_t>(memory) % kCacheLine == 0);
     return new (memory) Ring(capacity, process_shared);
   }

@@ -40,6 +40,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -94,9 +95,9 @@ class ShuffleBuffer {
 
   ShuffleBuffer(ExampleLayout layout, const BufferConfig& config)
       : layout_(std::move(layout)),
-        config_(config),
-        echo_base_(static_cast<std::uint32_t>(std::floor(config.echo_factor))),
-        echo_fraction_(config.echo_factor - std::floor(config.echo_factor)),
+        config_(validated(config, layout_)),
+        echo_base_(static_cast<std::uint32_t>(std::floor(config_.echo_factor))),
+        echo_fraction_(config_.echo_factor - std::floor(config_.echo_factor)),
         rings_(Block::allocate(2 * Ring::bytes(ring_cells(config.capacity)), kCacheLine)),
         free_(Ring::create(rings_.data(), ring_cells(config.capacity))),
         committed_(Ring::create(rings_.data() + Ring::bytes(ring_cells(config.capacity)),
@@ -106,12 +107,6 @@ class ShuffleBuffer {
         ready_(config.prefetch),
         reservoir_(config.capacity),
         rng_(config.seed) {
-    DATAECHO_CHECK(config_.capacity >= 1 && config_.capacity <= Ring::kMaxCapacity);
-    DATAECHO_CHECK(config_.batch_size >= 1 && config_.batch_size <= config_.capacity);
-    DATAECHO_CHECK(config_.prefetch >= 1 && layout_.batch_size() == config_.batch_size);
-    DATAECHO_CHECK(config_.echo_factor >= 1.0 && config_.echo_factor < 4294967296.0);
-    if (config_.initial == 0) config_.initial = default_initial(config_.capacity, config_.batch_size);
-    if (config_.initial > config_.capacity) config_.initial = config_.capacity;
     full_ = std::max({config_.batch_size, config_.capacity - config_.batch_size, config_.initial});
     for (std::uint32_t slot = 0; slot < config_.capacity; ++slot) {
       poison(arena_.slot(slot), layout_.slot_stride());
@@ -196,10 +191,21 @@ class ShuffleBuffer {
   std::size_t free_slots() const noexcept { return free_->size_approx(); }
 
  private:
+  // Checks the configuration before any member uses it; fills in `initial`.
+  static BufferConfig validated(BufferConfig config, const ExampleLayout& layout) {
+    DATAECHO_CHECK(config.capacity >= 1 && config.capacity <= Ring::kMaxCapacity);
+    DATAECHO_CHECK(config.batch_size >= 1 && config.batch_size <= config.capacity);
+    DATAECHO_CHECK(config.prefetch >= 1 && layout.batch_size() == config.batch_size);
+    DATAECHO_CHECK(config.echo_factor >= 1.0 && config.echo_factor < 4294967296.0);
+    if (config.initial == 0) config.initial = default_initial(config.capacity, config.batch_size);
+    if (config.initial > config.capacity) config.initial = config.capacity;
+    return config;
+  }
+
+  // One cell per slot, so pushes of slot indices never find a ring full for
+  // want of room (see release_slot for the one transient exception).
   static std::size_t ring_cells(std::size_t capacity) noexcept {
-    std::size_t cells = 1;
-    while (cells < capacity) cells <<= 1;
-    return cells;
+    return std::max(Ring::kMinCapacity, std::bit_ceil(capacity));
   }
 
   static std::uint64_t elapsed_ns(Clock::time_point start) noexcept {
@@ -222,7 +228,9 @@ class ShuffleBuffer {
         layout_.scatter_row(fields, done, dst);
       else
         layout_.scatter(fields, dst);
-      DATAECHO_CHECK(committed_->try_push(slot));  // never full: it has a cell per slot
+      // Never full: it has a cell per slot, and its one popper (the assembler)
+      // cannot be lapped while stalled, since that would need capacity + 1 slots.
+      DATAECHO_CHECK(committed_->try_push(slot));
       ++done;
     }
     // relaxed: statistics.
@@ -331,9 +339,16 @@ class ShuffleBuffer {
   }
 
   // Returns a slot to producers without waking them; callers notify afterwards.
+  //
+  // free_ has a cell per slot, yet a push can find its cell still "full": a
+  // producer that claimed the pop one lap earlier (won the tail_ CAS) may not yet
+  // have stored the cell's release (C2) when the other slots have lapped it. That
+  // producer is mid-operation, so wait for its pop to complete (it notifies
+  // not_full) instead of treating it as an error.
   void release_slot(std::uint32_t slot) noexcept {
     poison(arena_.slot(slot), layout_.slot_stride());
-    DATAECHO_CHECK(free_->try_push_quiet(slot));  // never full: it has a cell per slot
+    if (free_->try_push_quiet(slot)) return;
+    block_until(free_->not_full(), Deadline::never(), [&] { return free_->try_push_quiet(slot); });
   }
 
   void discard_rest() noexcept {
