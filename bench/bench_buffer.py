@@ -7,8 +7,9 @@ contestants, in the same process, one after another:
 
 * dataecho: ``put_many`` over chunks of a pre-generated source array from a
   producer thread, then ``close()``; the main thread iterates until the buffer
-  is drained. Rate = delivered examples / wall time, start-up fill and final
-  drain included.
+  is drained. Rate = delivered examples / wall time in steady state: the first
+  ``2 * capacity`` deliveries (the buffer filling, first-touch page faults) are
+  not timed, nor is the final drain; the baseline is timed the same way.
 * gather limit: ``np.take(pool, idx, axis=0, out=batch, mode="clip")`` of
   random rows from a pool of ``capacity`` examples into preallocated batches
   that rotate over ``prefetch + 1`` outputs (as dataecho's batch pool does),
@@ -105,6 +106,35 @@ def make_source(case: Case) -> np.ndarray:
     return np.random.default_rng(0).integers(0, 256, (rows, case.nbytes), dtype=np.uint8)
 
 
+class SteadyRate:
+    """Delivered examples per second after a warm-up.
+
+    The first ``warmup`` examples (the buffer filling, memory touched for the
+    first time) are not timed; the clock then runs for ``seconds``.
+    """
+
+    def __init__(self, warmup: int, seconds: float) -> None:
+        self.warmup, self.seconds = warmup, seconds
+        self.seen = 0
+        self.start: tuple[float, int] | None = None
+        self.end: tuple[float, int] | None = None
+
+    def add(self, examples: int) -> bool:
+        """Counts a batch; returns True once the timed window is over."""
+        self.seen += examples
+        now = time.perf_counter()
+        if self.start is None:
+            if self.seen >= self.warmup:
+                self.start = (now, self.seen)
+        elif self.end is None and now - self.start[0] >= self.seconds:
+            self.end = (now, self.seen)
+        return self.end is not None
+
+    def result(self) -> dict:
+        (t0, n0), (t1, n1) = self.start, self.end
+        return {"examples": n1 - n0, "seconds": t1 - t0, "ex_s": (n1 - n0) / (t1 - t0)}
+
+
 def run_dataecho(case: Case, echo: float, src: np.ndarray, seconds: float) -> dict:
     """Runs the ShuffleBuffer workload for about ``seconds`` plus the drain.
 
@@ -134,17 +164,13 @@ def run_dataecho(case: Case, echo: float, src: np.ndarray, seconds: float) -> di
         buf.close()
 
     producer = threading.Thread(target=produce, name="bench-producer")
-    t0 = time.perf_counter()
-    deadline = t0 + seconds
+    rate = SteadyRate(warmup=2 * case.capacity, seconds=seconds)
     producer.start()
-    delivered = 0
     for batch in buf:
-        delivered += batch.shape[0]
-        if time.perf_counter() >= deadline:
+        if rate.add(batch.shape[0]):
             stop.set()
-    elapsed = time.perf_counter() - t0
     producer.join()
-    return {"examples": delivered, "seconds": elapsed, "ex_s": delivered / elapsed, "stats": buf.stats()}
+    return {**rate.result(), "stats": buf.stats()}
 
 
 def run_gather(case: Case, src: np.ndarray, examples: int, max_seconds: float) -> dict:
@@ -234,8 +260,8 @@ def run_two_copy_limit(case: Case, echo: float, src: np.ndarray, seconds: float)
 def run_baseline(case: Case, echo: float, src: np.ndarray, seconds: float) -> dict:
     """Runs the hand-written queue + list shuffle buffer for about ``seconds``.
 
-    The rate counts examples handed to the main thread up to the deadline
-    (start-up fill included); the pipeline is then shut down and drained untimed.
+    The rate counts examples handed to the main thread in steady state (see
+    SteadyRate); the pipeline is then shut down and drained untimed.
 
     Args:
         case: example size and buffer settings.
@@ -284,21 +310,20 @@ def run_baseline(case: Case, echo: float, src: np.ndarray, seconds: float) -> di
         outbox.put(None)
 
     threads = [threading.Thread(target=f, name=f"baseline-{f.__name__}") for f in (produce, assemble)]
-    t0 = time.perf_counter()
-    deadline = t0 + seconds
+    rate = SteadyRate(warmup=2 * case.capacity, seconds=seconds)
     for t in threads:
         t.start()
-    delivered, elapsed = 0, None
     while (batch := outbox.get()) is not None:
-        if elapsed is None:
-            delivered += batch.shape[0]
-            if time.perf_counter() >= deadline:
-                elapsed = time.perf_counter() - t0
-                stop.set()
+        if rate.add(batch.shape[0]):
+            stop.set()
     for t in threads:
         t.join()
-    elapsed = elapsed if elapsed is not None else time.perf_counter() - t0
-    return {"examples": delivered, "seconds": elapsed, "ex_s": delivered / elapsed}
+    return rate.result()
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median rate."""
+    return sorted(runs, key=lambda r: r["ex_s"])[len(runs) // 2]
 
 
 def machine() -> dict:
@@ -342,7 +367,7 @@ def targets(rows: list[dict]) -> list[dict]:
     ]
 
 
-def print_report(info: dict, rows: list[dict], checks: list[dict], seconds: float) -> None:
+def print_report(info: dict, rows: list[dict], checks: list[dict], seconds: float, repeat: int) -> None:
     """Prints the machine, the results table and the targets."""
     print(
         f"machine: {info['cpu']}, {info['cpu_count']} CPUs; Python {info['python']}, "
@@ -350,7 +375,7 @@ def print_report(info: dict, rows: list[dict], checks: list[dict], seconds: floa
     )
     print(
         f"workload: put_many from a producer thread, shuffled batches iterated by the main thread; "
-        f"~{seconds:g} s per contestant"
+        f"~{seconds:g} s per contestant, median of {repeat} interleaved rounds"
     )
     for case in CASES:
         print(f"  {case.label}: capacity {case.capacity}, batch {case.batch_size}, put_many chunks of {case.chunk}")
@@ -382,14 +407,19 @@ def main(argv: list[str] | None = None) -> int:
     """Parses arguments, runs every (size, echo) row and prints the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short runs; the whole script takes well under a minute")
-    parser.add_argument("--seconds", type=float, default=None, help="time budget per contestant (default 3, quick 1)")
+    parser.add_argument("--seconds", type=float, default=None, help="time budget per contestant (default 2, quick 1)")
+    parser.add_argument(
+        "--repeat", type=int, default=None,
+        help="rounds per row, contestants interleaved; medians are reported (default 3, quick 1)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument(
         "--sizes", default=",".join(c.label.replace(" ", "") for c in CASES),
         help="comma-separated subset of the sizes, e.g. 64B,150KiB",
     )
     args = parser.parse_args(argv)
-    seconds = args.seconds if args.seconds is not None else (1.0 if args.quick else 3.0)
+    seconds = args.seconds if args.seconds is not None else (1.0 if args.quick else 2.0)
+    repeat = args.repeat if args.repeat is not None else (1 if args.quick else 3)
 
     wanted = set(args.sizes.split(","))
     rows = []
@@ -397,10 +427,16 @@ def main(argv: list[str] | None = None) -> int:
         src = make_source(case)
         for echo in ECHOES:
             print(f"running {case.label}, echo {echo:g} ...", file=sys.stderr, flush=True)
-            de = run_dataecho(case, echo, src, seconds)
-            gather = run_gather(case, src, de["examples"], 2 * seconds)
-            two_copy = run_two_copy_limit(case, echo, src, seconds)
-            base = run_baseline(case, echo, src, seconds)
+            # Interleaved rounds, medians: memory bandwidth on a shared machine
+            # drifts by tens of percent over seconds, and this spreads the drift
+            # over every contestant alike.
+            runs: dict[str, list[dict]] = {"dataecho": [], "gather": [], "two_copy": [], "baseline": []}
+            for _ in range(repeat):
+                runs["dataecho"].append(run_dataecho(case, echo, src, seconds))
+                runs["gather"].append(run_gather(case, src, runs["dataecho"][-1]["examples"], 2 * seconds))
+                runs["two_copy"].append(run_two_copy_limit(case, echo, src, seconds))
+                runs["baseline"].append(run_baseline(case, echo, src, seconds))
+            de, gather, two_copy, base = (median_run(runs[k]) for k in ("dataecho", "gather", "two_copy", "baseline"))
             rows.append({
                 "size": case.label,
                 "example_bytes": case.nbytes,
@@ -415,13 +451,13 @@ def main(argv: list[str] | None = None) -> int:
                 "vs_two_copy": de["ex_s"] / two_copy["ex_s"],
                 "baseline_ex_s": base["ex_s"],
                 "vs_baseline": de["ex_s"] / base["ex_s"],
-                "runs": {"dataecho": de, "gather": gather, "two_copy": two_copy, "baseline": base},
+                "runs": runs,
             })
         del src
 
     info = machine()
     checks = targets(rows)
-    print_report(info, rows, checks, seconds)
+    print_report(info, rows, checks, seconds, repeat)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": info, "seconds": seconds, "rows": rows, "targets": checks}, f, indent=2)
