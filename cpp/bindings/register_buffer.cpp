@@ -28,8 +28,9 @@ struct FieldSpec {
 class PyBuffer {
  public:
   PyBuffer(const std::vector<std::pair<std::vector<py::ssize_t>, py::dtype>>& fields,
-           std::size_t capacity, std::size_t batch_size, double echo_factor, std::uint64_t seed,
-           bool drop_last, std::size_t prefetch, std::size_t initial) {
+           std::size_t capacity, std::size_t batch_size, double echo_factor, bool auto_echo,
+           double max_echo, std::uint64_t seed, bool drop_last, std::size_t prefetch,
+           std::size_t initial) {
     if (fields.empty()) throw py::value_error("fields: expected at least one field");
     std::vector<std::size_t> bytes;
     for (const auto& [shape, dtype] : fields) {
@@ -47,11 +48,14 @@ class PyBuffer {
     if (batch_size == 0 || batch_size > capacity) throw py::value_error("batch_size: out of range");
     if (!(echo_factor >= 1.0 && echo_factor < 4294967296.0))
       throw py::value_error("echo_factor: out of range");
+    if (!(max_echo >= 1.0 && max_echo < 4294967296.0)) throw py::value_error("max_echo: out of range");
     if (prefetch == 0) throw py::value_error("prefetch: must be positive");
     BufferConfig config;
     config.capacity = capacity;
     config.batch_size = batch_size;
     config.echo_factor = echo_factor;
+    config.auto_echo = auto_echo;
+    config.max_echo = max_echo;
     config.seed = seed;
     config.drop_last = drop_last;
     config.prefetch = prefetch;
@@ -106,6 +110,7 @@ class PyBuffer {
     d["delivered"] = s.delivered;
     d["batches"] = s.batches;
     d["dropped"] = s.dropped;
+    d["evicted"] = s.evicted;
     d["resident"] = s.resident;
     d["producer_wait_s"] = s.producer_wait_s;
     d["consumer_wait_s"] = s.consumer_wait_s;
@@ -113,6 +118,21 @@ class PyBuffer {
   }
 
   const ShuffleBuffer& core() const { return live(); }
+
+  // Hands `nbytes` at `address` to the batch pool; `owner` (a page-locked torch
+  // tensor, say) is kept alive until the pool, which may outlive this buffer
+  // while batches are alive, lets go of the block.
+  void add_batch_memory(std::uintptr_t address, std::size_t nbytes, py::object owner) {
+    ShuffleBuffer& core = live();
+    if (address == 0 || address % kSlotAlign != 0)
+      throw py::value_error("batch memory: address must be non-null and 64-byte aligned");
+    if (nbytes < core.layout().batch_bytes())
+      throw py::value_error("batch memory: " + std::to_string(nbytes) + " bytes is less than a batch (" +
+                            std::to_string(core.layout().batch_bytes()) + ")");
+    PyObject* reference = owner.release().ptr();
+    core.adopt_batch_memory(
+        Block::adopt(reinterpret_cast<void*>(address), nbytes, &drop_reference, reference));
+  }
 
   // In a forked child the assembler thread does not exist and the core's locks
   // may be in any state: leak the core (its memory is the child's private copy)
@@ -145,6 +165,16 @@ class PyBuffer {
     return pointers;
   }
 
+  // Releases a block's owner. Blocks die with the pool, normally under the GIL
+  // (a batch's arrays or the buffer being deallocated); at interpreter exit the
+  // reference is left alone rather than touch a finalizing interpreter.
+  static void drop_reference(void* object) noexcept {
+    if (!Py_IsInitialized() || interpreter_finalizing()) return;
+    const PyGILState_STATE state = PyGILState_Ensure();
+    Py_DECREF(static_cast<PyObject*>(object));
+    PyGILState_Release(state);
+  }
+
   ShuffleBuffer& live() const {
     if (!core_) throw std::runtime_error("this buffer belongs to the parent process");
     return *core_;
@@ -162,9 +192,12 @@ void register_buffer(py::module_& m) {
 
   py::class_<PyBuffer>(m, "Buffer")
       .def(py::init<const std::vector<std::pair<std::vector<py::ssize_t>, py::dtype>>&, std::size_t,
-                    std::size_t, double, std::uint64_t, bool, std::size_t, std::size_t>(),
+                    std::size_t, double, bool, double, std::uint64_t, bool, std::size_t, std::size_t>(),
            py::arg("fields"), py::arg("capacity"), py::arg("batch_size"), py::arg("echo_factor"),
-           py::arg("seed"), py::arg("drop_last"), py::arg("prefetch"), py::arg("initial"))
+           py::arg("auto_echo"), py::arg("max_echo"), py::arg("seed"), py::arg("drop_last"),
+           py::arg("prefetch"), py::arg("initial"))
+      .def("add_batch_memory", &PyBuffer::add_batch_memory, py::arg("address"), py::arg("nbytes"),
+           py::arg("owner"))
       .def("put", &PyBuffer::put, py::arg("arrays"), py::arg("timeout_s"))
       .def("put_many", &PyBuffer::put_many, py::arg("arrays"), py::arg("rows"), py::arg("timeout_s"))
       .def("next", &PyBuffer::next, py::arg("timeout_s"))
@@ -177,7 +210,9 @@ void register_buffer(py::module_& m) {
       .def_property_readonly("batch_bytes", [](const PyBuffer& b) { return b.core().layout().batch_bytes(); })
       .def_property_readonly("free_slots", [](const PyBuffer& b) { return b.core().free_slots(); })
       .def_property_readonly("batch_blocks_allocated",
-                             [](const PyBuffer& b) { return b.core().batch_blocks_allocated(); });
+                             [](const PyBuffer& b) { return b.core().batch_blocks_allocated(); })
+      .def_property_readonly("batch_blocks_adopted",
+                             [](const PyBuffer& b) { return b.core().batch_blocks_adopted(); });
 
   m.def("default_initial", &ShuffleBuffer::default_initial, py::arg("capacity"), py::arg("batch_size"));
 }

@@ -38,7 +38,9 @@ class ShuffleBuffer:
             ``name -> (shape, dtype)`` for dict examples.
         capacity: slots, i.e. the most examples resident at once.
         batch_size: examples per batch; at most ``capacity``.
-        echo_factor: mean number of times each example is delivered, >= 1.
+        echo_factor: mean number of times each example is delivered, >= 1; or
+            ``"auto"``: repeat examples only while the consumer would otherwise
+            wait, each at most about ``max_echo`` times (see ``EchoLoader``).
         seed: seeds the shuffle and the echo draws; None draws a random seed.
             With one producer, the same seed and input give the same order.
         drop_last: drop the final batch if it is short.
@@ -46,6 +48,8 @@ class ShuffleBuffer:
         initial: resident examples needed before the first batch. Defaults to
             ``max(batch_size, capacity // 4)``. After the first batch the
             reservoir grows by one example per example delivered until full.
+        max_echo: with ``echo_factor="auto"``, the most times an example is
+            delivered on average (each gets ``floor(m)`` or ``floor(m) + 1``).
 
     Raises:
         TypeError, ValueError: a bad argument, named in the message.
@@ -61,13 +65,18 @@ class ShuffleBuffer:
         drop_last: bool = False,
         prefetch: int = 2,
         initial: int | None = None,
+        max_echo: float = 4.0,
     ) -> None:
         self._fields, self._single = parse_fields(fields)
         capacity = _checks.positive_int("capacity", capacity, _MAX_CAPACITY)
         batch_size = _checks.positive_int("batch_size", batch_size)
         if batch_size > capacity:
             raise ValueError(f"batch_size: {batch_size} is larger than capacity {capacity}")
-        echo_factor = _checks.real("echo_factor", echo_factor, 1.0, _MAX_ECHO)
+        auto_echo = isinstance(echo_factor, str)
+        if auto_echo and echo_factor != "auto":
+            raise ValueError(f"echo_factor: expected a number >= 1 or 'auto', got {echo_factor!r}")
+        echo_factor = 1.0 if auto_echo else _checks.real("echo_factor", echo_factor, 1.0, _MAX_ECHO)
+        max_echo = _checks.real("max_echo", max_echo, 1.0, _MAX_ECHO)
         drop_last = _checks.flag("drop_last", drop_last)
         prefetch = _checks.positive_int("prefetch", prefetch, 1 << 16)
         if initial is not None:
@@ -79,6 +88,8 @@ class ShuffleBuffer:
                 capacity,
                 batch_size,
                 echo_factor,
+                auto_echo,
+                max_echo,
                 _checks.seed(seed),
                 drop_last,
                 prefetch,
@@ -92,7 +103,8 @@ class ShuffleBuffer:
             ) from None
         self.capacity = capacity
         self.batch_size = batch_size
-        self.echo_factor = echo_factor
+        self.echo_factor: float | str = "auto" if auto_echo else echo_factor
+        self.max_echo = max_echo
         self.drop_last = drop_last
         self.prefetch = prefetch
         self.initial = int(self._core.initial)
@@ -136,7 +148,15 @@ class ShuffleBuffer:
             TypeError, ValueError, OverflowError: the example does not fit.
         """
         self._check_process()
-        arrays = self._arrays(example, None, "put()")
+        self._put_arrays(self._arrays(example, None, "put()"), timeout)
+
+    def _put_values(self, values: list, timeout: float | None = None) -> None:
+        """Like ``put``, for an example already flattened to one value per field."""
+        self._check_process()
+        arrays = [to_field_array(v, f, None, "put()") for v, f in zip(values, self._fields)]
+        self._put_arrays(arrays, timeout)
+
+    def _put_arrays(self, arrays: list[np.ndarray], timeout: float | None) -> None:
         status = self._core.put(arrays, _checks.timeout(timeout))
         if status == _CLOSED:
             raise BufferClosed("put(): the ShuffleBuffer is closed")
@@ -217,7 +237,8 @@ class ShuffleBuffer:
 
     def stats(self) -> dict[str, Any]:
         """Counters: fresh (examples put), delivered (examples in yielded batches),
-        batches, dropped (echoes lost to drop_last), resident, producer_wait_s,
+        batches, dropped (echoes lost to drop_last), evicted (with "auto": unspent
+        budget of examples freed to make room), resident, producer_wait_s,
         consumer_wait_s, and echo_factor_achieved (delivered / fresh)."""
         self._check_process()
         stats = self._core.stats()
@@ -238,7 +259,7 @@ class ShuffleBuffer:
         )
         return (
             f"ShuffleBuffer({fields}; capacity={self.capacity}, batch_size={self.batch_size}, "
-            f"echo_factor={self.echo_factor:g}{', closed' if self._closed else ''})"
+            f"echo_factor={self.echo_factor}{', closed' if self._closed else ''})"
         )
 
     # ---- internals ----

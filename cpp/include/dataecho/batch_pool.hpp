@@ -26,12 +26,28 @@ class BatchPool : public std::enable_shared_from_this<BatchPool> {
     return std::shared_ptr<BatchPool>(new BatchPool(block_bytes, align));
   }
 
-  // Takes a free block or allocates one; throws std::bad_alloc when memory runs out.
+  // Adds a block supplied from outside (page-locked memory, say) of at least
+  // block_bytes(); such blocks are leased before any the pool allocated itself.
+  void adopt(Block block) {
+    DATAECHO_CHECK(block.size() >= block_bytes_);
+    std::lock_guard<std::mutex> lock(mutex_);
+    adopted_free_.reserve(adopted_ + 1);
+    ++adopted_;
+    adopted_free_.push_back(std::move(block));
+  }
+
+  // Takes a free block (adopted ones first) or allocates one; throws
+  // std::bad_alloc when memory runs out.
   std::shared_ptr<Lease> lease() {
     Block block;
+    bool adopted = false;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (!free_.empty()) {
+      if (!adopted_free_.empty()) {
+        block = std::move(adopted_free_.back());
+        adopted_free_.pop_back();
+        adopted = true;
+      } else if (!free_.empty()) {
         block = std::move(free_.back());
         free_.pop_back();
       }
@@ -42,15 +58,21 @@ class BatchPool : public std::enable_shared_from_this<BatchPool> {
       free_.reserve(allocated_ + 1);  // so that give_back never reallocates
       ++allocated_;
     }
-    return std::shared_ptr<Lease>(new Lease(shared_from_this(), std::move(block)));
+    return std::shared_ptr<Lease>(new Lease(shared_from_this(), std::move(block), adopted));
   }
 
   std::size_t block_bytes() const noexcept { return block_bytes_; }
 
-  // Blocks ever allocated; a steady value means consumers release what they take.
+  // Blocks ever allocated (adopted ones not counted); a steady value means
+  // consumers release what they take.
   std::size_t allocated() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return allocated_;
+  }
+
+  std::size_t adopted() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return adopted_;
   }
 
   // One block, owned by whoever holds the lease; returned to the pool on destruction.
@@ -58,21 +80,23 @@ class BatchPool : public std::enable_shared_from_this<BatchPool> {
    public:
     Lease(const Lease&) = delete;
     Lease& operator=(const Lease&) = delete;
-    ~Lease() { pool_->give_back(std::move(block_)); }
+    ~Lease() { pool_->give_back(std::move(block_), adopted_); }
     std::byte* data() const noexcept { return block_.data(); }
+    bool adopted() const noexcept { return adopted_; }
 
    private:
     friend class BatchPool;
-    Lease(std::shared_ptr<BatchPool> pool, Block block)
-        : pool_(std::move(pool)), block_(std::move(block)) {}
+    Lease(std::shared_ptr<BatchPool> pool, Block block, bool adopted)
+        : pool_(std::move(pool)), block_(std::move(block)), adopted_(adopted) {}
     std::shared_ptr<BatchPool> pool_;  // keeps the pool alive while a batch is
     Block block_;
+    bool adopted_;
   };
 
  private:
   BatchPool(std::size_t block_bytes, std::size_t align) : block_bytes_(block_bytes), align_(align) {}
 
-  void give_back(Block block) noexcept {
+  void give_back(Block block, bool adopted) noexcept {
     // In a forked child the mutex may have been copied locked by a thread that no
     // longer exists: leak the block there rather than deadlock.
     if (getpid() != owner_pid_) {
@@ -81,7 +105,8 @@ class BatchPool : public std::enable_shared_from_this<BatchPool> {
     }
     poison(block.data(), block.size());
     std::lock_guard<std::mutex> lock(mutex_);
-    free_.push_back(std::move(block));  // capacity reserved in lease(): cannot throw
+    // Capacity reserved in lease() and adopt(): neither push can throw.
+    (adopted ? adopted_free_ : free_).push_back(std::move(block));
   }
 
   const std::size_t block_bytes_;
@@ -89,7 +114,9 @@ class BatchPool : public std::enable_shared_from_this<BatchPool> {
   const pid_t owner_pid_ = getpid();
   mutable std::mutex mutex_;
   std::vector<Block> free_;
+  std::vector<Block> adopted_free_;
   std::size_t allocated_ = 0;
+  std::size_t adopted_ = 0;
 };
 
 // An assembled batch: `rows` examples laid out as ExampleLayout's batch regions.

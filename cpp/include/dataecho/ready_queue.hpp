@@ -22,7 +22,9 @@ namespace dataecho {
 
 class ReadyQueue {
  public:
-  explicit ReadyQueue(std::size_t limit) : limit_(limit) {}
+  // `on_pop` (optional) is notified after each pop too: the assembler uses it to
+  // learn that the consumer has drained the queue (auto echo).
+  explicit ReadyQueue(std::size_t limit, EventCount* on_pop = nullptr) : limit_(limit), on_pop_(on_pop) {}
 
   // Assembler: waits until a batch may be added; false once stopped.
   bool wait_for_room() {
@@ -88,7 +90,10 @@ class ReadyQueue {
       }
       return false;
     });
-    if (result == Pop::kBatch) room_.notify_all();
+    if (result == Pop::kBatch) {
+      room_.notify_all();
+      if (on_pop_ != nullptr) on_pop_->notify_all();
+    }
     if (error) std::rethrow_exception(error);
     return result;
   }
@@ -100,6 +105,7 @@ class ReadyQueue {
 
  private:
   const std::size_t limit_;
+  EventCount* const on_pop_;
   mutable std::mutex mutex_;
   std::deque<Batch> batches_;
   bool finished_ = false;

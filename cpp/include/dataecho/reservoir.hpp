@@ -2,11 +2,13 @@
 // sampled uniformly, without replacement within a batch. Owned by one thread
 // (the assembler), so it holds no atomics.
 //
-// Invariants, with n = size() and a = available():
-//   slots_[0, a)   resident and not yet drawn in the current batch;
+// Invariants, with f = fresh(), a = available(), n = size():
+//   slots_[0, f)   resident, never delivered, not drawn in this batch (auto echo only;
+//                  with a fixed echo factor f stays 0 and every example is "seen");
+//   slots_[f, a)   resident, delivered before or fixed-echo, not drawn in this batch;
 //   slots_[a, n)   resident and already drawn in the current batch;
 //   echoes_[s] >= 1 for every resident slot s, and echoes_left() is their sum.
-// A draw picks uniformly in [0, a) and moves the pick to the drawn side, so a
+// A draw picks uniformly in its region and moves the pick to the drawn side, so a
 // batch repeats an example only once every resident one has been drawn, which
 // can only happen when fewer than batch_size examples are resident.
 #pragma once
@@ -27,17 +29,29 @@ class Reservoir {
 
   std::size_t size() const noexcept { return size_; }
   std::size_t available() const noexcept { return available_; }
+  std::size_t fresh() const noexcept { return fresh_; }
+  std::size_t seen_available() const noexcept { return available_ - fresh_; }
   std::uint64_t echoes_left() const noexcept { return echoes_left_; }
 
-  // A new example, drawable from the current batch on.
+  // A new example, drawable from the current batch on, among the "seen" ones
+  // (fixed echo: every example is drawn uniformly among all).
   void add(std::uint32_t slot, std::uint32_t echoes) noexcept {
-    DATAECHO_CHECK(size_ < slots_.size() && slot < echoes_.size() && echoes >= 1 && echoes_[slot] == 0);
+    admit(slot, echoes);
     slots_[size_] = slots_[available_];
     slots_[available_] = slot;
     ++available_;
     ++size_;
-    echoes_[slot] = echoes;
-    echoes_left_ += echoes;
+  }
+
+  // A new example that draw_fresh() prefers until its first delivery (auto echo).
+  void add_fresh(std::uint32_t slot, std::uint32_t echoes) noexcept {
+    admit(slot, echoes);
+    slots_[size_] = slots_[available_];
+    slots_[available_] = slots_[fresh_];
+    slots_[fresh_] = slot;
+    ++fresh_;
+    ++available_;
+    ++size_;
   }
 
   // Makes every resident example drawable again.
@@ -48,10 +62,73 @@ class Reservoir {
     bool last;  // its final echo: the caller frees the slot after copying it out
   };
 
+  // Uniform among all drawable examples (fixed echo: there are no fresh ones).
   Draw draw(Rng& rng) noexcept {
-    DATAECHO_CHECK(size_ > 0);
+    DATAECHO_CHECK(size_ > 0 && fresh_ == 0);
     if (available_ == 0) available_ = size_;  // fewer residents than draws: repeat
-    const std::size_t pick = rng.below(available_);
+    return take(rng.below(available_));
+  }
+
+  // Uniform among the never-delivered examples; requires fresh() > 0.
+  Draw draw_fresh(Rng& rng) noexcept {
+    DATAECHO_CHECK(fresh_ > 0);
+    const std::size_t pick = rng.below(fresh_);
+    // Move the pick to the end of the fresh region, then across the seen region
+    // to the end of the drawable part, where take() expects it.
+    std::swap(slots_[pick], slots_[fresh_ - 1]);
+    std::swap(slots_[fresh_ - 1], slots_[available_ - 1]);
+    --fresh_;
+    return take(available_ - 1);
+  }
+
+  // Uniform among the delivered-before examples not yet drawn in this batch;
+  // when there are none but residents exist, they become drawable again (a
+  // repeat within the batch is then unavoidable). Requires size() > fresh().
+  Draw draw_seen(Rng& rng) noexcept {
+    DATAECHO_CHECK(size_ > fresh_);
+    if (available_ == fresh_) reopen_seen();
+    return take(fresh_ + rng.below(available_ - fresh_));
+  }
+
+  // Empties the reservoir, handing every resident slot to `on_slot`.
+  template <class OnSlot>
+  void clear(OnSlot&& on_slot) {
+    for (std::size_t i = 0; i < size_; ++i) {
+      echoes_[slots_[i]] = 0;
+      on_slot(slots_[i]);
+    }
+    size_ = available_ = fresh_ = 0;
+    echoes_left_ = 0;
+  }
+
+  // Frees a uniformly chosen delivered-before example with echoes left (auto
+  // echo, to make room for fresh ones); only between batches (available() ==
+  // size()). Returns the slot and the echoes it gave up.
+  std::pair<std::uint32_t, std::uint32_t> evict_seen(Rng& rng) noexcept {
+    DATAECHO_CHECK(available_ == size_ && size_ > fresh_);
+    const std::size_t pick = fresh_ + rng.below(size_ - fresh_);
+    const std::uint32_t slot = slots_[pick];
+    const std::uint32_t echoes = std::exchange(echoes_[slot], 0);
+    echoes_left_ -= echoes;
+    slots_[pick] = slots_[size_ - 1];
+    --size_;
+    --available_;
+    return {slot, echoes};
+  }
+
+ private:
+  void admit(std::uint32_t slot, std::uint32_t echoes) noexcept {
+    DATAECHO_CHECK(size_ < slots_.size() && slot < echoes_.size() && echoes >= 1 && echoes_[slot] == 0);
+    echoes_[slot] = echoes;
+    echoes_left_ += echoes;
+  }
+
+  // The drawn-this-batch examples become drawable again, as seen ones.
+  void reopen_seen() noexcept { available_ = size_; }
+
+  // Draws the example at `pick`, which is in [fresh_, available_) or was just
+  // moved to available_ - 1: it moves to the drawn side.
+  Draw take(std::size_t pick) noexcept {
     --available_;
     std::swap(slots_[pick], slots_[available_]);
     const std::uint32_t slot = slots_[available_];
@@ -63,11 +140,11 @@ class Reservoir {
     return {slot, true};
   }
 
- private:
   std::vector<std::uint32_t> slots_;
   std::vector<std::uint32_t> echoes_;  // indexed by slot
   std::size_t size_ = 0;
   std::size_t available_ = 0;
+  std::size_t fresh_ = 0;
   std::uint64_t echoes_left_ = 0;
 };
 

@@ -65,7 +65,9 @@ namespace dataecho {
 struct BufferConfig {
   std::size_t capacity = 4096;
   std::size_t batch_size = 256;
-  double echo_factor = 1.0;
+  double echo_factor = 1.0;  // fixed: each example is delivered floor(e) or floor(e) + 1 times
+  bool auto_echo = false;    // instead: repeat only while the consumer would wait (see assemble_auto)
+  double max_echo = 4.0;     // auto: per-example budget, drawn like a fixed factor
   std::uint64_t seed = 0;
   bool drop_last = false;
   std::size_t prefetch = 2;
@@ -79,6 +81,7 @@ struct BufferStats {
   std::uint64_t delivered = 0;  // examples in batches handed to the consumer
   std::uint64_t batches = 0;    // batches handed to the consumer
   std::uint64_t dropped = 0;    // echoes discarded with a short last batch (drop_last)
+  std::uint64_t evicted = 0;    // auto echo: unspent budget of examples freed to make room
   std::uint64_t resident = 0;   // examples in the reservoir with echoes left
   double producer_wait_s = 0;   // summed over producers: blocked waiting for a free slot
   double consumer_wait_s = 0;   // consumer blocked waiting for a batch
@@ -96,15 +99,15 @@ class ShuffleBuffer {
   ShuffleBuffer(ExampleLayout layout, const BufferConfig& config)
       : layout_(std::move(layout)),
         config_(validated(config, layout_)),
-        echo_base_(static_cast<std::uint32_t>(std::floor(config_.echo_factor))),
-        echo_fraction_(config_.echo_factor - std::floor(config_.echo_factor)),
+        echo_base_(static_cast<std::uint32_t>(std::floor(per_example_echo(config_)))),
+        echo_fraction_(per_example_echo(config_) - std::floor(per_example_echo(config_))),
         rings_(Block::allocate(2 * Ring::bytes(ring_cells(config.capacity)), kCacheLine)),
         free_(Ring::create(rings_.data(), ring_cells(config.capacity))),
         committed_(Ring::create(rings_.data() + Ring::bytes(ring_cells(config.capacity)),
                                 ring_cells(config.capacity))),
         arena_(config.capacity, layout_.slot_stride(), layout_.slot_align()),
         pool_(BatchPool::create(layout_.batch_bytes(), layout_.batch_align())),
-        ready_(config.prefetch),
+        ready_(config.prefetch, config.auto_echo ? &committed_->not_empty() : nullptr),
         reservoir_(config.capacity),
         rng_(config.seed) {
     full_ = std::max({config_.batch_size, config_.capacity - config_.batch_size, config_.initial});
@@ -177,6 +180,7 @@ class ShuffleBuffer {
     s.delivered = delivered_.load(std::memory_order_relaxed);
     s.batches = batches_.load(std::memory_order_relaxed);
     s.dropped = dropped_.load(std::memory_order_relaxed);
+    s.evicted = evicted_.load(std::memory_order_relaxed);
     s.resident = resident_.load(std::memory_order_relaxed);
     s.producer_wait_s = 1e-9 * static_cast<double>(producer_wait_ns_.load(std::memory_order_relaxed));
     s.consumer_wait_s = 1e-9 * static_cast<double>(consumer_wait_ns_.load(std::memory_order_relaxed));
@@ -186,6 +190,11 @@ class ShuffleBuffer {
   const ExampleLayout& layout() const noexcept { return layout_; }
   const BufferConfig& config() const noexcept { return config_; }
   std::size_t batch_blocks_allocated() const { return pool_->allocated(); }
+  std::size_t batch_blocks_adopted() const { return pool_->adopted(); }
+
+  // Supplies batch memory from outside (page-locked, say); used before any the
+  // pool would allocate. At least layout().batch_bytes() bytes, 64-byte aligned.
+  void adopt_batch_memory(Block block) { pool_->adopt(std::move(block)); }
   // Free slots right now; equals capacity once everything put has been delivered
   // (or dropped), which is how tests prove that no slot leaked.
   std::size_t free_slots() const noexcept { return free_->size_approx(); }
@@ -197,9 +206,14 @@ class ShuffleBuffer {
     DATAECHO_CHECK(config.batch_size >= 1 && config.batch_size <= config.capacity);
     DATAECHO_CHECK(config.prefetch >= 1 && layout.batch_size() == config.batch_size);
     DATAECHO_CHECK(config.echo_factor >= 1.0 && config.echo_factor < 4294967296.0);
+    DATAECHO_CHECK(config.max_echo >= 1.0 && config.max_echo < 4294967296.0);
     if (config.initial == 0) config.initial = default_initial(config.capacity, config.batch_size);
     if (config.initial > config.capacity) config.initial = config.capacity;
     return config;
+  }
+
+  static double per_example_echo(const BufferConfig& config) noexcept {
+    return config.auto_echo ? config.max_echo : config.echo_factor;
   }
 
   // One cell per slot, so pushes of slot indices never find a ring full for
@@ -278,7 +292,10 @@ class ShuffleBuffer {
   void take_in(std::uint32_t slot) {
     std::uint32_t echoes = echo_base_;
     if (echo_fraction_ > 0 && rng_.bernoulli(echo_fraction_)) ++echoes;
-    reservoir_.add(slot, echoes);
+    if (config_.auto_echo)
+      reservoir_.add_fresh(slot, echoes);  // echoes = its budget under max_echo
+    else
+      reservoir_.add(slot, echoes);
   }
 
   // Takes in committed examples until `target` are resident. Returns false when
@@ -303,39 +320,109 @@ class ShuffleBuffer {
     try {
       for (std::uint64_t k = 0;; ++k) {
         if (!ready_.wait_for_room()) return;  // stopped
-        const std::size_t target = std::min<std::uint64_t>(
-            full_, std::max(config_.initial, config_.batch_size) + k * config_.batch_size);
-        const bool more_input = fill(target);
-        if (stop_.load(std::memory_order_relaxed)) return;  // relaxed: polled
-        std::size_t rows = config_.batch_size;
-        if (!more_input && reservoir_.echoes_left() < rows) {
-          rows = static_cast<std::size_t>(reservoir_.echoes_left());
-          if (rows == 0 || config_.drop_last) {
-            discard_rest();
-            ready_.finish();
-            return;
-          }
-        }
-        publish_resident();
-        ready_.push(gather(rows));
+        const bool more = config_.auto_echo ? assemble_auto(k) : assemble_fixed(k);
+        if (!more) return;
       }
     } catch (...) {
       ready_.finish(std::current_exception());
     }
   }
 
-  Batch gather(std::size_t rows) {
-    Batch batch{pool_->lease(), rows};
-    std::byte* out = batch.lease->data();
-    reservoir_.begin_batch();
-    for (std::size_t row = 0; row < rows; ++row) {
-      const auto draw = reservoir_.draw(rng_);
-      layout_.gather(arena_.slot(draw.slot), out, row);
-      if (draw.last) release_slot(draw.slot);
+  // Fixed echo factor: fill to the target, then draw uniformly. Returns false at the end.
+  bool assemble_fixed(std::uint64_t k) {
+    const std::size_t target = std::min<std::uint64_t>(
+        full_, std::max(config_.initial, config_.batch_size) + k * config_.batch_size);
+    const bool more_input = fill(target);
+    if (stop_.load(std::memory_order_relaxed)) return false;  // relaxed: polled
+    std::size_t rows = config_.batch_size;
+    if (!more_input && reservoir_.echoes_left() < rows) {
+      rows = static_cast<std::size_t>(reservoir_.echoes_left());
+      if (rows == 0 || config_.drop_last) return finish();
     }
+    Batch batch{pool_->lease(), rows};
+    reservoir_.begin_batch();
+    for (std::size_t row = 0; row < rows; ++row) gather_row(reservoir_.draw(rng_), batch, row);
+    push(std::move(batch));
+    return true;
+  }
+
+  // echo_factor="auto": every example may be delivered up to its budget (drawn
+  // from max_echo), fresh ones first. A batch is completed with repeats only when
+  // no fresh example is at hand and the consumer has drained the ready queue,
+  // i.e. is about to wait; otherwise the assembler waits for fresh examples. So a
+  // fast upstream yields an echo factor near 1 and a slow one near max_echo.
+  // Delivered examples keep their slot until the budget is spent or producers
+  // run short of free slots (then a uniformly chosen one is evicted). When the
+  // input ends, the fresh ones left are delivered and nothing more is repeated.
+  bool assemble_auto(std::uint64_t k) {
+    bool more_input = true;
+    if (k == 0) more_input = fill(std::max(config_.initial, config_.batch_size));
+    if (stop_.load(std::memory_order_relaxed)) return false;  // relaxed: polled
+    reservoir_.begin_batch();
+    make_room();
+    Batch batch{pool_->lease(), 0};
+    std::size_t row = 0;
+    std::uint32_t slot;
+    bool got = false;
+    while (row < config_.batch_size) {
+      if (reservoir_.fresh() > 0) {
+        gather_row(reservoir_.draw_fresh(rng_), batch, row++);
+        continue;
+      }
+      if (got || committed_->try_pop(slot)) {
+        take_in(slot);
+        got = false;
+        continue;
+      }
+      if (more_input && input_finished(slot, got)) more_input = false;
+      if (got) continue;
+      if (!more_input) break;
+      if (reservoir_.size() > 0 && ready_.size() == 0) {
+        gather_row(reservoir_.draw_seen(rng_), batch, row++);  // the consumer is waiting: echo
+        continue;
+      }
+      block_until(committed_->not_empty(), Deadline::never(), [&] {
+        if (committed_->try_pop(slot)) return got = true;
+        if (stop_.load(std::memory_order_seq_cst)) return true;
+        if (reservoir_.size() > 0 && ready_.size() == 0) return true;  // the consumer drained it
+        return input_finished(slot, got) || got;
+      });
+      if (stop_.load(std::memory_order_relaxed)) return false;  // relaxed: polled
+    }
+    if (row == 0 || (row < config_.batch_size && config_.drop_last)) {
+      // relaxed: statistics. Only never-delivered examples count as dropped.
+      dropped_.fetch_add(row, std::memory_order_relaxed);
+      return finish();
+    }
+    batch.rows = row;
+    push(std::move(batch));
+    if (!more_input && reservoir_.fresh() == 0) return finish();
+    return true;
+  }
+
+  // Auto echo: frees delivered examples, uniformly chosen, until producers
+  // have a batch's worth of free slots or no delivered example is left.
+  void make_room() {
+    std::uint64_t evicted = 0;
+    while (reservoir_.size() > reservoir_.fresh() && free_->size_approx() < config_.batch_size) {
+      const auto [slot, echoes] = reservoir_.evict_seen(rng_);
+      evicted += echoes;
+      release_slot(slot);
+    }
+    if (evicted == 0) return;
+    evicted_.fetch_add(evicted, std::memory_order_relaxed);  // relaxed: statistics
+    free_->not_empty().notify_all();
+  }
+
+  void gather_row(Reservoir::Draw draw, Batch& batch, std::size_t row) {
+    layout_.gather(arena_.slot(draw.slot), batch.lease->data(), row);
+    if (draw.last) release_slot(draw.slot);
+  }
+
+  void push(Batch batch) {
     free_->not_empty().notify_all();  // one wake-up for the slots this batch freed
     publish_resident();
-    return batch;
+    ready_.push(std::move(batch));
   }
 
   // Returns a slot to producers without waking them; callers notify afterwards.
@@ -351,15 +438,15 @@ class ShuffleBuffer {
     block_until(free_->not_full(), Deadline::never(), [&] { return free_->try_push_quiet(slot); });
   }
 
-  void discard_rest() noexcept {
-    // relaxed: statistics.
-    dropped_.fetch_add(reservoir_.echoes_left(), std::memory_order_relaxed);
-    while (reservoir_.size() > 0) {
-      const auto draw = reservoir_.draw(rng_);
-      if (draw.last) release_slot(draw.slot);
-    }
+  // End of the stream: what is resident is not needed any more.
+  bool finish() {
+    // relaxed: statistics. With auto echo, unspent budget is not a loss.
+    if (!config_.auto_echo) dropped_.fetch_add(reservoir_.echoes_left(), std::memory_order_relaxed);
+    reservoir_.clear([this](std::uint32_t slot) { release_slot(slot); });
     free_->not_empty().notify_all();
     publish_resident();
+    ready_.finish();
+    return false;
   }
 
   void publish_resident() noexcept {
@@ -392,6 +479,7 @@ class ShuffleBuffer {
   std::atomic<std::uint64_t> batches_{0};
   std::atomic<std::uint64_t> consumer_wait_ns_{0};
   std::atomic<std::uint64_t> dropped_{0};
+  std::atomic<std::uint64_t> evicted_{0};
   std::atomic<std::uint64_t> resident_{0};
 
   std::thread assembler_;  // last: starts after every member above is built
