@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .buffer import ShuffleBuffer
 from .errors import BufferClosed
+from .loader import EchoLoader
 
-__all__ = ["BufferClosed", "ShuffleBuffer", "__version__"]
+__all__ = ["BufferClosed", "EchoLoader", "ShuffleBuffer", "__version__"]
 __version__ = "0.1.0"

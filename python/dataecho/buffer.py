@@ -13,6 +13,7 @@ import numpy as np
 from . import _checks, _core
 from .errors import BufferClosed
 from .fields import Field, parse_fields, to_field_array
+from .structure import key_mismatch
 
 __all__ = ["ShuffleBuffer"]
 
@@ -222,6 +223,11 @@ class ShuffleBuffer:
             TimeoutError: no batch within ``timeout``.
             RuntimeError: another thread is iterating this buffer.
         """
+        arrays = self._next_arrays(timeout)
+        return arrays[0] if self._single else dict(zip(self._names, arrays))
+
+    def _next_arrays(self, timeout: float | None = None) -> tuple[np.ndarray, ...]:
+        """Like ``next_batch``, returning one array per field, in field order."""
         self._check_process()
         if not self._consumer.acquire(blocking=False):
             raise RuntimeError("ShuffleBuffer: another thread is already iterating this buffer")
@@ -233,7 +239,14 @@ class ShuffleBuffer:
             raise StopIteration
         if status == _TIMEOUT:
             raise TimeoutError(f"next_batch(): no batch within {timeout} s")
-        return arrays[0] if self._single else dict(zip(self._names, arrays))
+        return arrays
+
+    def _abort(self) -> None:
+        """Stops at once: blocked producers get BufferClosed, the consumer the end,
+        and what is resident is dropped. For pipelines shutting down on an error."""
+        self._closed = True
+        if os.getpid() == self._pid:
+            self._core.stop()
 
     def stats(self) -> dict[str, Any]:
         """Counters: fresh (examples put), delivered (examples in yielded batches),
@@ -276,10 +289,11 @@ class ShuffleBuffer:
             return [to_field_array(example, self._fields[0], rows, where)]
         if not isinstance(example, Mapping):
             raise TypeError(f"{where}: expected a dict with fields {self._names}, got {type(example).__name__}")
-        if len(example) != len(self._names) or any(name not in example for name in self._names):
-            missing = [n for n in self._names if n not in example]
-            extra = [k for k in example if k not in self._names]
-            raise ValueError(f"{where}: example fields do not match: missing {missing}, unexpected {extra}")
+        mismatch = key_mismatch(self._names, example)
+        if mismatch is not None:
+            raise ValueError(
+                f"{where}: example fields do not match: missing {mismatch[0]}, unexpected {mismatch[1]}"
+            )
         return [to_field_array(example[f.name], f, rows, where) for f in self._fields]
 
     def _rows(self, examples: Any) -> int:

@@ -363,7 +363,6 @@ class DeviceMover:
         """
         if self._closed:
             raise RuntimeError("DeviceMover.submit(): the mover is closed")
-        self.poll()
         _map_tree(self._check_leaf, host_tree, "host_tree")
         backend, stream = self._backend, self.stream
         event = backend.new_event()
@@ -380,6 +379,7 @@ class DeviceMover:
             raise
         self._ready.append((device_tree, event))
         self._pending.append((event, host_tree, on_done))
+        self.poll()
 
     def take(self) -> Any:
         """Returns the oldest submitted batch as device tensors.

@@ -1,0 +1,486 @@
+"""``EchoLoader``: data echoing for a training loop, in the three placements of
+Choi et al. (2019), with fractional and adaptive echo factors.
+
+Pipeline of one epoch::
+
+    source -> [producer threads: read, transform] -> echo buffer (native)
+           -> [batch echoing]                      (echo_at="batch")
+           -> [augment threads] -> output buffer   (augment given)
+           -> consumer: batches as NumPy arrays or torch tensors, on `device`
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any, Callable
+
+import numpy as np
+
+from . import _checks
+from .augment import AugmentStage
+from .batch_echo import BatchEcho
+from .buffer import ShuffleBuffer
+from .producers import Failure, Producers, epoch_order
+from .structure import Structure
+
+__all__ = ["EchoLoader"]
+
+_MAX_ECHO = float(1 << 32)
+_DEFAULT_EXAMPLES = 4096
+_DEFAULT_BATCHES = 16
+_JOIN_TIMEOUT_S = 5.0
+
+
+def _is_map_style(source: Any) -> bool:
+    return hasattr(source, "__len__") and hasattr(source, "__getitem__") and not isinstance(source, (str, bytes))
+
+
+class EchoLoader:
+    """Batches from a dataset or iterable, with data echoing.
+
+    Echoing repeats data already in the pipeline so that a training step that is
+    faster than the input pipeline trains on reshuffled repeats instead of
+    waiting. Where to echo (Choi et al., 2019):
+
+    * after augmentation: put augmentation in ``transform``;
+    * before augmentation (nearly as good as fresh data in the paper): put
+      reading and decoding in ``transform``, augmentation in ``augment``, which
+      runs anew on every repeat;
+    * batch echoing: ``echo_at="batch"`` repeats whole batches.
+
+    Args:
+        source: an iterable of examples, or a map-style dataset (``__len__`` and
+            ``__getitem__``, a torch ``Dataset`` included). An example is an
+            array, a number, a torch CPU tensor, or a dict/tuple/list of them.
+        batch_size: examples per batch.
+        echo_factor: mean deliveries per example (or per batch), a number >= 1
+            (fractional factors repeat ``floor(e)`` or ``floor(e) + 1`` times);
+            or ``"auto"``: repeat only while the consumer would otherwise wait,
+            up to about ``max_echo`` times.
+        echo_at: ``"example"`` or ``"batch"``.
+        transform: per-example function run by the producer threads, before the
+            echo stage (read, decode, ...).
+        augment: per-example function run after the echo stage, by worker
+            threads: every repeat is augmented anew. It may change the
+            example's structure, shapes or dtypes.
+        shuffle_buffer: examples resident in the echo buffer (default 4096); with
+            ``echo_at="batch"``, batches resident in the batch buffer (default 16).
+        workers: producer threads (and augment threads).
+        shuffle: map-style sources: a new random order every epoch.
+        seed: seeds the order, the shuffle and the echo draws; None draws one.
+            With ``workers=1`` and a fixed factor, a seed gives a repeatable order.
+        drop_last: drop the last batch of an epoch if it is short.
+        prefetch: batches assembled ahead of the consumer.
+        max_echo: cap on deliveries per example (batch) when echo_factor="auto".
+        output: ``"numpy"`` or ``"torch"`` (tensors that share the batch memory).
+        pin_memory: batch memory is page-locked, allocated once (needs CUDA).
+        device: a torch device; each batch is copied there on a side stream,
+            one batch ahead, so the copy overlaps the training step.
+
+    Raises:
+        TypeError, ValueError: a bad argument, named in the message.
+        RuntimeError: ``pin_memory`` or a CUDA ``device`` without CUDA.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        batch_size: int = 256,
+        echo_factor: float | str = 2.0,
+        echo_at: str = "example",
+        transform: Callable[[Any], Any] | None = None,
+        augment: Callable[[Any], Any] | None = None,
+        shuffle_buffer: int | None = None,
+        workers: int = 2,
+        shuffle: bool = True,
+        seed: int | None = None,
+        drop_last: bool = False,
+        prefetch: int = 2,
+        max_echo: float = 4.0,
+        output: str = "numpy",
+        pin_memory: bool = False,
+        device: Any = None,
+    ) -> None:
+        if not (_is_map_style(source) or isinstance(source, Iterable)):
+            raise TypeError(
+                f"source: expected an iterable or a map-style dataset (__len__ and __getitem__), "
+                f"got {type(source).__name__}"
+            )
+        self.source = source
+        self.batch_size = _checks.positive_int("batch_size", batch_size)
+        if isinstance(echo_factor, str):
+            if echo_factor != "auto":
+                raise ValueError(f"echo_factor: expected a number >= 1 or 'auto', got {echo_factor!r}")
+            self.echo_factor: float | str = "auto"
+        else:
+            self.echo_factor = _checks.real("echo_factor", echo_factor, 1.0, _MAX_ECHO)
+        if echo_at not in ("example", "batch"):
+            raise ValueError(f"echo_at: expected 'example' or 'batch', got {echo_at!r}")
+        self.echo_at = echo_at
+        for name, fn in (("transform", transform), ("augment", augment)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name}: expected a callable or None, got {type(fn).__name__}")
+        self.transform, self.augment = transform, augment
+        default = _DEFAULT_BATCHES if echo_at == "batch" else _DEFAULT_EXAMPLES
+        self.shuffle_buffer = default if shuffle_buffer is None else _checks.positive_int("shuffle_buffer", shuffle_buffer)
+        if echo_at == "example" and self.shuffle_buffer < self.batch_size:
+            raise ValueError(
+                f"shuffle_buffer: {self.shuffle_buffer} examples cannot hold a batch of {self.batch_size}"
+            )
+        self.workers = _checks.positive_int("workers", workers, 1024)
+        self.shuffle = _checks.flag("shuffle", shuffle)
+        self.seed = _checks.seed(seed)
+        self.drop_last = _checks.flag("drop_last", drop_last)
+        self.prefetch = _checks.positive_int("prefetch", prefetch, 1 << 16)
+        self.max_echo = _checks.real("max_echo", max_echo, 1.0, _MAX_ECHO)
+        if output not in ("numpy", "torch"):
+            raise ValueError(f"output: expected 'numpy' or 'torch', got {output!r}")
+        self.output = output
+        self.pin_memory = _checks.flag("pin_memory", pin_memory)
+        self.device = self._check_device(device)
+        self._structure: Structure | None = None
+        self._epoch = 0
+        self._current: _Epoch | None = None
+        self._totals = {"fresh": 0, "delivered": 0, "batches": 0, "wait_s": 0.0, "active_s": 0.0}
+
+    def _check_device(self, device: Any) -> Any:
+        if device is None and not self.pin_memory:
+            return None
+        from . import torch_support
+
+        torch = torch_support._torch()
+        if self.pin_memory and not torch.cuda.is_available():
+            raise RuntimeError("pin_memory=True needs CUDA, and torch.cuda.is_available() is False")
+        if device is None:
+            return None
+        try:
+            device = torch.device(device)
+        except (TypeError, RuntimeError) as exc:
+            raise ValueError(f"device: {device!r} is not a torch device ({exc})") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device: {device} needs CUDA, and torch.cuda.is_available() is False")
+        return device
+
+    # ---- iteration ----
+
+    def __iter__(self) -> Iterator[Any]:
+        """Starts an epoch (map-style sources: a new order from seed and epoch)."""
+        if self._current is not None:
+            self._current.close()
+        self._current = _Epoch(self, self._epoch)
+        self._epoch += 1
+        return self._current
+
+    def __len__(self) -> int:
+        """Batches per epoch, for a map-style source and an integer echo factor."""
+        if not _is_map_style(self.source):
+            raise TypeError("len(): the source is an iterable of unknown length")
+        if self.echo_factor == "auto" or not float(self.echo_factor).is_integer():
+            raise TypeError("len(): the number of batches is random with a fractional or 'auto' echo factor")
+        echo = int(self.echo_factor)
+        rounding = math.floor if self.drop_last else math.ceil
+        if self.echo_at == "batch":
+            return rounding(len(self.source) / self.batch_size) * echo
+        return rounding(len(self.source) * echo / self.batch_size)
+
+    def close(self) -> None:
+        """Stops the current epoch's threads; iterating again starts a new epoch."""
+        if self._current is not None:
+            self._current.close()
+            self._current = None
+
+    def stats(self) -> dict[str, Any]:
+        """Counters over every epoch so far.
+
+        Returns:
+            fresh: examples read from the source and put in the echo buffer;
+            delivered: examples in the batches yielded (repeats counted);
+            echo_factor_achieved: delivered / fresh;
+            upstream_examples_per_s: fresh examples per second of iteration;
+            consumer_wait_fraction: share of iteration time spent waiting in next();
+            batches, epoch.
+        """
+        totals = dict(self._totals)
+        if self._current is not None:
+            for key, value in self._current.counters().items():
+                totals[key] += value
+        active = totals["active_s"]
+        return {
+            "fresh": totals["fresh"],
+            "delivered": totals["delivered"],
+            "batches": totals["batches"],
+            "echo_factor_achieved": totals["delivered"] / totals["fresh"] if totals["fresh"] else 0.0,
+            "upstream_examples_per_s": totals["fresh"] / active if active > 0 else 0.0,
+            "consumer_wait_fraction": totals["wait_s"] / active if active > 0 else 0.0,
+            "epoch": max(0, self._epoch - 1),
+        }
+
+    def _epoch_finished(self, counters: dict[str, float]) -> None:
+        for key, value in counters.items():
+            self._totals[key] += value
+
+    def __enter__(self) -> EchoLoader:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        current = getattr(self, "_current", None)
+        if current is not None:
+            current.close()
+
+
+class _Epoch:
+    """One pass over the source: its threads, buffers and the consumer side."""
+
+    def __init__(self, loader: EchoLoader, epoch: int) -> None:
+        self._loader = loader
+        self._failure = Failure()
+        self._closed = False
+        self._started = time.perf_counter()
+        self._wait_s = 0.0
+        self._delivered = 0
+        self._batches = 0
+        self._mover = None
+        self._exhausted = False
+        seeds = np.random.SeedSequence([loader.seed, epoch]).generate_state(4, dtype=np.uint64)
+        self._seeds = [int(s) for s in seeds]
+        self._echo_buffer: ShuffleBuffer | None = None
+        self._output_buffer: ShuffleBuffer | None = None
+        self._final: Callable[[float | None], tuple[np.ndarray, ...]] | None = None
+        self._final_structure: Structure | None = None
+        self._iterator: Iterator[Any] | None = None
+        self._batch_echo: BatchEcho | None = None
+        self._augment: AugmentStage | None = None
+        self._producers: Producers | None = None
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- building the pipeline ----
+
+    def _start(self) -> None:
+        loader = self._loader
+        first, start = self._first_example()
+        if loader._structure is None:
+            if first is _NOTHING:
+                self._echo_buffer = None
+                return
+            loader._structure = Structure.infer(first)
+        structure = loader._structure
+        self._echo_buffer = self._make_echo_buffer(structure)
+        self._producers = Producers(
+            self._echo_buffer, structure, loader.transform, loader.workers, self._failure, self._abort
+        )
+        if first is not _NOTHING:
+            self._producers.put_first(first)
+        if _is_map_style(loader.source):
+            order = epoch_order(len(loader.source), loader.shuffle, np.random.default_rng(self._seeds[0]), start)
+            self._producers.start_map(loader.source, order)
+        else:
+            self._producers.start_iterable(self._iterator)
+        upstream = self._echo_buffer._next_arrays
+        if loader.echo_at == "batch":
+            echo = None if loader.echo_factor == "auto" else float(loader.echo_factor)
+            self._batch_echo = BatchEcho(
+                upstream, loader.shuffle_buffer, echo, loader.max_echo, np.random.default_rng(self._seeds[1])
+            )
+            upstream = self._batch_echo.next_batch
+        if loader.augment is not None:
+            self._augment = AugmentStage(
+                upstream, structure, loader.augment, loader.workers, self._make_output_buffer,
+                self._failure, self._abort,
+            )
+        else:
+            self._final = upstream
+            self._final_structure = structure
+
+    def _first_example(self) -> tuple[Any, int]:
+        """Reads (and transforms) one example if the structure is not known yet.
+
+        Returns the example (or _NOTHING) and the map-style position to go on from.
+        """
+        loader = self._loader
+        self._iterator = None if _is_map_style(loader.source) else iter(loader.source)
+        if loader._structure is not None:
+            return _NOTHING, 0
+        if self._iterator is None:
+            if len(loader.source) == 0:
+                return _NOTHING, 0
+            order = epoch_order(len(loader.source), loader.shuffle, np.random.default_rng(self._seeds[0]))
+            example = loader.source[next(order)]
+        else:
+            example = next(self._iterator, _NOTHING)
+            if example is _NOTHING:
+                return _NOTHING, 0
+        if loader.transform is not None:
+            example = loader.transform(example)
+        return example, 1
+
+    def _make_echo_buffer(self, structure: Structure) -> ShuffleBuffer:
+        loader = self._loader
+        per_example = loader.echo_at == "example"
+        capacity = loader.shuffle_buffer if per_example else max(2 * loader.batch_size, _DEFAULT_EXAMPLES)
+        buffer = ShuffleBuffer(
+            structure.fields(),
+            capacity=capacity,
+            batch_size=loader.batch_size,
+            echo_factor=loader.echo_factor if per_example else 1.0,
+            max_echo=loader.max_echo,
+            seed=self._seeds[2],
+            # With augment, the output buffer decides what a short last batch means.
+            drop_last=loader.drop_last and loader.augment is None,
+            prefetch=loader.prefetch,
+            # Batch echoing: batches flow from the first one on; the example
+            # shuffle behind them still grows to its capacity.
+            initial=None if per_example else loader.batch_size,
+        )
+        if loader.augment is None:
+            self._pin(buffer)
+        return buffer
+
+    def _make_output_buffer(self, structure: Structure) -> ShuffleBuffer:
+        loader = self._loader
+        buffer = ShuffleBuffer(
+            structure.fields(),
+            capacity=max(4 * loader.batch_size, 256),
+            batch_size=loader.batch_size,
+            seed=self._seeds[3],
+            drop_last=loader.drop_last,
+            prefetch=loader.prefetch,
+            initial=loader.batch_size,
+        )
+        self._pin(buffer)
+        self._output_buffer = buffer
+        return buffer
+
+    def _pin(self, buffer: ShuffleBuffer) -> None:
+        """Page-locked batch memory, allocated once: prefetch + the batch being
+        assembled + the consumer's + two in flight to the device (+ the batches
+        held for batch echoing). Past that the pool falls back to pageable memory."""
+        if not self._loader.pin_memory:
+            return
+        from . import torch_support
+
+        count = self._loader.prefetch + 4
+        if self._loader.echo_at == "batch" and self._loader.augment is None:
+            count += self._loader.shuffle_buffer  # batches held for echoing
+        blocks = torch_support.allocate_pinned(buffer._core.batch_bytes, count)
+        for block, (address, nbytes) in zip(blocks, torch_support.pinned_pointers(blocks)):
+            buffer._core.add_batch_memory(address, nbytes, block)
+
+    # ---- consuming ----
+
+    def __iter__(self) -> _Epoch:
+        return self
+
+    def __next__(self) -> Any:
+        start = time.perf_counter()
+        try:
+            if self._loader.device is None:
+                batch = self._next_tree()
+            else:
+                batch = self._next_on_device()
+        finally:
+            self._wait_s += time.perf_counter() - start
+        self._batches += 1
+        return batch
+
+    def _next_host(self) -> tuple[Structure, tuple[np.ndarray, ...]]:
+        if self._closed or self._echo_buffer is None:
+            self._failure.raise_if_set()
+            raise StopIteration
+        if self._final is None:
+            # Augmented output: its buffer exists once the first result does.
+            while not self._augment.ready.wait(0.05):
+                pass
+            self._failure.raise_if_set()
+            if self._augment.output is None:
+                raise StopIteration
+            self._final = self._augment.output._next_arrays
+            self._final_structure = self._augment.out_structure
+        try:
+            arrays = self._final(None)
+        except StopIteration:
+            self._failure.raise_if_set()
+            self._finish()
+            raise
+        self._delivered += len(arrays[0])
+        return self._final_structure, arrays
+
+    def _next_tree(self) -> Any:
+        structure, arrays = self._next_host()
+        if self._loader.output == "torch":
+            from .torch_support import to_torch
+
+            return structure.unflatten(arrays, wrap=lambda a: to_torch(a))
+        return structure.unflatten(arrays)
+
+    def _next_on_device(self) -> Any:
+        from .torch_support import DeviceMover, to_torch
+
+        if self._mover is None:
+            self._mover = DeviceMover(self._loader.device)
+        # Keep one batch in flight ahead of the one handed out.
+        while not self._exhausted and len(self._mover) < 2:
+            try:
+                structure, arrays = self._next_host()
+            except StopIteration:
+                self._exhausted = True
+                break
+            host = [to_torch(a) for a in arrays]
+            self._mover.submit(host, on_done=host.clear)
+            self._pending_structure = structure
+        if len(self._mover) == 0:
+            raise StopIteration
+        return self._pending_structure.unflatten(self._mover.take())
+
+    # ---- shutting down ----
+
+    def counters(self) -> dict[str, float]:
+        fresh = self._echo_buffer.stats()["fresh"] if self._echo_buffer is not None else 0
+        return {
+            "fresh": fresh,
+            "delivered": self._delivered,
+            "batches": self._batches,
+            "wait_s": self._wait_s,
+            "active_s": time.perf_counter() - self._started,
+        }
+
+    def _abort(self) -> None:
+        """Stops every stage at once (an error, or the consumer leaving)."""
+        for stage in (self._producers, self._augment):
+            if stage is not None:
+                stage.stop()
+        for buffer in (self._echo_buffer, self._output_buffer):
+            if buffer is not None:
+                buffer._abort()
+
+    def _finish(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._loader._epoch_finished(self.counters())
+            if self._loader._current is self:
+                self._loader._current = None
+            self._abort()
+            self._join()
+
+    def close(self) -> None:
+        """Stops this epoch's threads (idempotent)."""
+        if self._mover is not None:
+            self._mover.close()
+        self._finish()
+
+    def _join(self) -> None:
+        for stage in (self._producers, self._augment):
+            if stage is not None:
+                stage.join(_JOIN_TIMEOUT_S)
+
+
+_NOTHING = object()

@@ -1,0 +1,194 @@
+"""Producer threads: read the source, run ``transform``, put examples into a buffer.
+
+Map-style sources (``__len__`` + ``__getitem__``) are read by every worker,
+each taking the next index of the epoch's order. Iterable sources are read by
+one thread; with a ``transform`` the examples are fanned out to the workers
+through a small queue, so that the transform runs on all of them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+from .buffer import ShuffleBuffer
+from .errors import BufferClosed
+from .structure import Structure
+
+__all__ = ["Failure", "Producers"]
+
+_END = object()
+
+
+class Failure:
+    """The first exception raised by any thread of a pipeline, kept for the consumer."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.error: BaseException | None = None
+
+    def set(self, error: BaseException) -> bool:
+        """Records ``error`` if it is the first; returns whether it was."""
+        with self._lock:
+            if self.error is not None:
+                return False
+            self.error = error
+            return True
+
+    def raise_if_set(self) -> None:
+        if self.error is not None:
+            # Re-raising the worker's own exception keeps its traceback (the
+            # worker's frames) and adds the consumer's.
+            raise self.error
+
+
+class Producers:
+    """Worker threads feeding one buffer for one epoch.
+
+    Args:
+        buffer: where examples go; closed when the source is exhausted.
+        structure: checks and flattens each example.
+        transform: per-example function, or None.
+        workers: threads that run ``transform`` (and read a map-style source).
+        failure: where the first exception goes; ``on_failure`` is then called.
+        on_failure: stops the pipeline (aborts its buffers).
+    """
+
+    def __init__(
+        self,
+        buffer: ShuffleBuffer,
+        structure: Structure,
+        transform: Callable[[Any], Any] | None,
+        workers: int,
+        failure: Failure,
+        on_failure: Callable[[], None],
+    ) -> None:
+        self._buffer = buffer
+        self._structure = structure
+        self._transform = transform
+        self._workers = workers
+        self._failure = failure
+        self._on_failure = on_failure
+        self._threads: list[threading.Thread] = []
+        self._running = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.started_at = time.perf_counter()
+
+    # ---- starting ----
+
+    def start_map(self, source: Any, order: Iterator[int]) -> None:
+        """Reads ``source[i]`` for each i of ``order`` on every worker."""
+        lock = threading.Lock()
+
+        def work() -> None:
+            while not self._stop.is_set():
+                with lock:
+                    index = next(order, None)
+                if index is None:
+                    return
+                self._put(source[index])
+
+        self._spawn([work] * self._workers)
+
+    def start_iterable(self, iterator: Iterator[Any]) -> None:
+        """Reads ``iterator`` on one thread; transforms on ``workers`` threads."""
+        if self._transform is None:
+
+            def read() -> None:
+                for example in iterator:
+                    if self._stop.is_set():
+                        return
+                    self._put(example)
+
+            self._spawn([read])
+            return
+        handoff: queue.Queue = queue.Queue(maxsize=4 * self._workers)
+
+        def read_and_hand_off() -> None:
+            try:
+                for example in iterator:
+                    if not self._offer(handoff, example):
+                        return
+            finally:
+                for _ in range(self._workers):
+                    self._offer(handoff, _END)
+
+        def work() -> None:
+            while not self._stop.is_set():
+                try:
+                    example = handoff.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if example is _END:
+                    return
+                self._put(example)
+
+        self._spawn([read_and_hand_off] + [work] * self._workers)
+
+    def put_first(self, example: Any) -> None:
+        """Puts an example read (and transformed) by the caller."""
+        self._buffer._put_values(self._structure.flatten(example))
+
+    # ---- stopping ----
+
+    def stop(self) -> None:
+        """Asks every thread to stop; callers abort the buffer to release blocked puts."""
+        self._stop.set()
+
+    def join(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def alive(self) -> int:
+        return sum(t.is_alive() for t in self._threads)
+
+    # ---- internals ----
+
+    def _spawn(self, targets: list[Callable[[], None]]) -> None:
+        self._running = len(targets)
+        for i, target in enumerate(targets):
+            thread = threading.Thread(target=self._run, args=(target,), name=f"dataecho-producer-{i}", daemon=True)
+            self._threads.append(thread)
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, target: Callable[[], None]) -> None:
+        try:
+            target()
+        except BufferClosed:
+            pass  # the pipeline is shutting down
+        except BaseException as error:  # handed to the consumer, which raises it
+            if self._failure.set(error):
+                self._on_failure()
+            return
+        finally:
+            with self._lock:
+                self._running -= 1
+                last = self._running == 0
+        if last and not self._stop.is_set():
+            self._buffer.close()
+
+    def _put(self, example: Any) -> None:
+        if self._transform is not None:
+            example = self._transform(example)
+        self._buffer._put_values(self._structure.flatten(example))
+
+    def _offer(self, handoff: queue.Queue, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                handoff.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+
+def epoch_order(length: int, shuffle: bool, rng: Any, start: int = 0) -> Iterator[int]:
+    """Indices of one epoch over a map-style source, from position ``start``."""
+    order = rng.permutation(length) if shuffle else range(length)
+    return itertools.islice((int(i) for i in order), start, None)

@@ -1,0 +1,432 @@
+"""EchoLoader: the paper's three placements, fractional and adaptive factors,
+producers, errors, structures, epochs, determinism and the torch hand-off."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import Counter, namedtuple
+
+import numpy as np
+import pytest
+
+import dataecho
+
+
+class Records:
+    """A map-style dataset of n examples {"id": i, "x": [i, i, i]} that counts reads."""
+
+    def __init__(self, n, delay_s=0.0):
+        self.n, self.delay_s = n, delay_s
+        self.reads = Counter()
+        self._lock = threading.Lock()
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        with self._lock:
+            self.reads[i] += 1
+        return {"id": i, "x": np.full(3, i, np.float32)}
+
+
+def ids_of(batches):
+    return Counter(itertools.chain.from_iterable(b["id"].tolist() for b in batches))
+
+
+def dataecho_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("dataecho-")]
+
+
+# ---- placements ----
+
+
+def test_example_echo_after_augmentation_repeats_the_transformed_example(seed):
+    stamps = itertools.count()
+    lock = threading.Lock()
+
+    def transform(ex):  # augmentation inside transform: echoed as is
+        with lock:
+            return {**ex, "stamp": next(stamps)}
+
+    loader = dataecho.EchoLoader(Records(2000), batch_size=32, echo_factor=2, transform=transform, seed=seed)
+    batches = list(loader)
+    seen = ids_of(batches)
+    assert sorted(seen) == list(range(2000)) and set(seen.values()) == {2}
+    stamp_of = {}
+    for b in batches:
+        for i, s in zip(b["id"].tolist(), b["stamp"].tolist()):
+            assert stamp_of.setdefault(i, s) == s, "both deliveries carry the one transformed copy"
+    assert loader.source.reads == Counter({i: 1 for i in range(2000)}), "each example is read once"
+
+
+def test_example_echo_before_augmentation_augments_every_repeat_anew(seed):
+    stamps = itertools.count()
+    lock = threading.Lock()
+
+    def augment(ex):
+        with lock:
+            stamp = next(stamps)
+        # A new field and a new shape: batches take augment's structure.
+        return {"id": ex["id"], "x": ex["x"][:2] * 2, "stamp": stamp}
+
+    loader = dataecho.EchoLoader(Records(2000), batch_size=32, echo_factor=3, augment=augment, seed=seed)
+    batches = list(loader)
+    assert batches[0]["x"].shape == (32, 2) and set(batches[0]) == {"id", "x", "stamp"}
+    seen = ids_of(batches)
+    assert sorted(seen) == list(range(2000)) and set(seen.values()) == {3}
+    stamps_of = {}
+    for b in batches:
+        np.testing.assert_array_equal(b["x"], 2 * b["id"][:, None].astype(np.float32) * np.ones((1, 2)))
+        for i, s in zip(b["id"].tolist(), b["stamp"].tolist()):
+            stamps_of.setdefault(i, []).append(s)
+    assert all(len(set(s)) == 3 for s in stamps_of.values()), "each repeat is augmented anew"
+    assert not dataecho_threads()
+
+
+def test_augment_gets_read_only_views(seed):
+    def augment(ex):
+        ex["x"] += 1  # an in-place change must not reach the repeat
+        return ex
+
+    loader = dataecho.EchoLoader(Records(100), batch_size=10, echo_factor=2, augment=augment, seed=seed)
+    with pytest.raises(ValueError, match="read-only"):
+        list(loader)
+
+
+def test_batch_echo_yields_each_batch_e_times_never_twice_in_a_row(seed):
+    loader = dataecho.EchoLoader(
+        Records(3200), batch_size=32, echo_factor=3, echo_at="batch", shuffle_buffer=8, seed=seed
+    )
+    batches = list(loader)
+    keys = [tuple(b["id"].tolist()) for b in batches]
+    counts = Counter(keys)
+    assert len(counts) == 100 and set(counts.values()) == {3}
+    assert sorted(itertools.chain.from_iterable(counts)) == list(range(3200))
+    # A repeat never follows its original while another batch is resident: only
+    # the very end (one batch left with echoes to give) may repeat back to back.
+    assert all(a != b for a, b in zip(keys[:-3], keys[1:-3])), "a repeat followed its original"
+    # Repeats share memory and are read-only.
+    with pytest.raises(ValueError, match="read-only"):
+        batches[0]["x"][0, 0] = -1
+    assert len(batches) == len(loader) == 300
+
+
+def test_batch_echo_with_augment_augments_each_delivery(seed):
+    noise = np.random.default_rng(seed)
+    lock = threading.Lock()
+
+    def augment(ex):
+        with lock:
+            return {"id": ex["id"], "x": ex["x"] + noise.random(3).astype(np.float32)}
+
+    loader = dataecho.EchoLoader(
+        Records(640), batch_size=32, echo_factor=2, echo_at="batch", augment=augment, seed=seed
+    )
+    batches = list(loader)
+    seen = ids_of(batches)
+    assert sorted(seen) == list(range(640)) and set(seen.values()) == {2}
+    xs = {}
+    for b in batches:
+        for i, x in zip(b["id"].tolist(), b["x"][:, 0].tolist()):
+            xs.setdefault(i, []).append(x)
+    assert all(len(set(v)) == 2 for v in xs.values())
+
+
+# ---- echo factors ----
+
+
+def test_fractional_echo_factor_mean(seed):
+    loader = dataecho.EchoLoader(range(20_000), batch_size=256, echo_factor=1.5, seed=seed)
+    seen = Counter(itertools.chain.from_iterable(b.tolist() for b in loader))
+    assert sorted(seen) == list(range(20_000)) and set(seen.values()) == {1, 2}
+    assert abs(np.mean(list(seen.values())) - 1.5) < 0.015
+    assert loader.stats()["echo_factor_achieved"] == pytest.approx(np.mean(list(seen.values())))
+
+
+def test_auto_rises_under_a_slow_upstream(seed):
+    loader = dataecho.EchoLoader(
+        Records(300, delay_s=0.004), batch_size=16, echo_factor="auto", max_echo=4.0, workers=1,
+        shuffle_buffer=256, seed=seed,
+    )
+    seen = ids_of(list(loader))
+    assert sorted(seen) == list(range(300)) and max(seen.values()) <= 4
+    assert loader.stats()["echo_factor_achieved"] > 2.5
+
+
+def test_auto_stays_near_one_under_a_fast_upstream(seed):
+    loader = dataecho.EchoLoader(
+        range(20_000), batch_size=64, echo_factor="auto", max_echo=4.0, shuffle_buffer=1024, seed=seed
+    )
+    delivered = 0
+    for batch in loader:
+        delivered += len(batch)
+        time.sleep(0.001)  # a training step slower than reading
+    assert loader.stats()["echo_factor_achieved"] < 1.15
+    assert delivered == loader.stats()["delivered"]
+
+
+def test_auto_batch_echo_repeats_only_when_the_upstream_lags(seed):
+    slow = dataecho.EchoLoader(
+        Records(200, delay_s=0.005), batch_size=10, echo_factor="auto", echo_at="batch", workers=1, seed=seed
+    )
+    list(slow)
+    assert slow.stats()["echo_factor_achieved"] > 2.0
+
+
+# ---- producers, errors, shutdown ----
+
+
+class Boom(Exception):
+    pass
+
+
+def failing_source(n, at):
+    def read(i):
+        if i == at:
+            raise Boom(f"cannot read {i}")
+        return np.full(2, i)
+
+    class Source:
+        def __len__(self):
+            return n
+
+        def __getitem__(self, i):
+            return read(i)
+
+    return Source()
+
+
+@pytest.mark.parametrize("where", ["source", "transform", "augment", "iterable"])
+def test_errors_propagate_with_their_traceback_and_stop_every_thread(where, seed):
+    def bad_transform(x):
+        if int(np.asarray(x).ravel()[0]) == 777:
+            raise Boom("bad example 777")
+        return x
+
+    def gen():
+        for i in range(2000):
+            if i == 500:
+                raise Boom("the stream broke")
+            yield np.full(2, i)
+
+    kwargs = {"batch_size": 16, "echo_factor": 2, "seed": seed, "shuffle": False}
+    source = {"source": failing_source(2000, 777), "iterable": gen()}.get(where, Records(2000))
+    if where == "transform":
+        kwargs["transform"] = lambda ex: bad_transform(ex["x"])
+    if where == "augment":
+        kwargs["augment"] = lambda ex: bad_transform(ex["x"])
+    loader = dataecho.EchoLoader(source, **kwargs)
+    with pytest.raises(Boom) as info:
+        for _ in loader:
+            pass
+    frames = [f.name for f in info.traceback]
+    assert {"read", "bad_transform", "gen"} & set(frames), frames
+    deadline = time.monotonic() + 5
+    while dataecho_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not dataecho_threads()
+
+
+def test_leaving_an_epoch_early_stops_its_threads(seed):
+    loader = dataecho.EchoLoader(Records(100_000), batch_size=32, echo_factor=2, workers=3, seed=seed)
+    for i, _ in enumerate(loader):
+        if i == 5:
+            break
+    assert dataecho_threads()
+    loader.close()
+    assert not dataecho_threads()
+
+
+def test_first_batch_comes_before_the_buffer_fills(seed):
+    gate = threading.Event()
+
+    def gen():
+        for i in range(5000):
+            if i == 1100:
+                gate.wait(10)  # the source stalls after 1100 examples
+            yield np.int64(i)
+
+    loader = dataecho.EchoLoader(gen(), batch_size=32, echo_factor=1, shuffle_buffer=4096, seed=seed)
+    start = time.monotonic()
+    first = next(iter(loader))
+    assert time.monotonic() - start < 5 and len(first) == 32
+    gate.set()
+    loader.close()
+
+
+# ---- structures ----
+
+
+Pair = namedtuple("Pair", "image label")
+
+
+def test_mixed_structures_round_trip():
+    torch = pytest.importorskip("torch")
+    examples = [
+        {"a": (np.full((2, 2), i, np.uint8), float(i)), "b": {"c": torch.full((3,), i), "d": np.bool_(i % 2)}}
+        for i in range(64)
+    ]
+    loader = dataecho.EchoLoader(examples, batch_size=64, echo_factor=1, shuffle=False, seed=0)
+    (batch,) = list(loader)
+    order = np.argsort(batch["a"][1])
+    assert batch["a"][0].dtype == np.uint8 and batch["a"][0].shape == (64, 2, 2)
+    assert batch["b"]["c"].dtype == np.int64 and batch["b"]["d"].dtype == np.bool_
+    np.testing.assert_array_equal(batch["b"]["c"][order][:, 0], np.arange(64))
+    np.testing.assert_array_equal(batch["b"]["d"][order], np.arange(64) % 2 == 1)
+
+    pairs = dataecho.EchoLoader([Pair(np.zeros(4), 1)] * 8, batch_size=4, echo_factor=1, seed=0)
+    batch = next(iter(pairs))
+    assert isinstance(batch, Pair) and batch.image.shape == (4, 4)
+    plain = dataecho.EchoLoader([np.zeros(5, np.float32)] * 8, batch_size=4, echo_factor=1, seed=0)
+    assert next(iter(plain)).shape == (4, 5)
+
+
+@pytest.mark.parametrize(
+    "bad,pattern",
+    [
+        ({"image": np.zeros((3, 3)), "label": 1}, r"'image'.*shape \(2, 2\).*\(3, 3\)"),
+        ({"image": np.zeros((2, 2)), "label": 1.5}, r"'label'.*float64"),
+        ({"image": np.zeros((2, 2))}, r"missing \['label'\]"),
+        ((np.zeros((2, 2)), 1), "expected a dict"),
+    ],
+)
+def test_a_mismatching_example_names_the_field(bad, pattern):
+    examples = [{"image": np.zeros((2, 2)), "label": i} for i in range(50)] + [bad]
+    loader = dataecho.EchoLoader(examples, batch_size=8, echo_factor=1, shuffle=False, workers=1, seed=0)
+    with pytest.raises((TypeError, ValueError), match=pattern):
+        list(loader)
+
+
+# ---- epochs, length, determinism ----
+
+
+def test_epochs_reshuffle_and_deliver_everything(seed):
+    loader = dataecho.EchoLoader(Records(500), batch_size=50, echo_factor=2, seed=seed, workers=1)
+    first = [b["id"].copy() for b in loader]
+    second = [b["id"].copy() for b in loader]
+    for epoch in (first, second):
+        counts = Counter(np.concatenate(epoch).tolist())
+        assert sorted(counts) == list(range(500)) and set(counts.values()) == {2}
+        assert len(epoch) == len(loader) == 20
+    assert not np.array_equal(np.concatenate(first), np.concatenate(second))
+    assert loader.stats()["epoch"] == 1 and loader.stats()["fresh"] == 1000
+
+
+def test_same_seed_one_worker_same_batches():
+    def run(seed):
+        loader = dataecho.EchoLoader(Records(1000), batch_size=32, echo_factor=1.5, workers=1, seed=seed)
+        return np.concatenate([b["id"] for b in loader])
+
+    np.testing.assert_array_equal(run(7), run(7))
+    assert not np.array_equal(run(7)[:500], run(8)[:500])
+
+
+def test_len_is_defined_only_where_it_is_fixed():
+    assert len(dataecho.EchoLoader(range(1000), batch_size=64, echo_factor=2)) == 32
+    assert len(dataecho.EchoLoader(range(1000), batch_size=64, echo_factor=2, drop_last=True)) == 31
+    with pytest.raises(TypeError, match="fractional or 'auto'"):
+        len(dataecho.EchoLoader(range(1000), echo_factor=1.5))
+    with pytest.raises(TypeError, match="unknown length"):
+        len(dataecho.EchoLoader(iter(range(1000))))
+
+
+def test_drop_last_yields_only_full_batches(seed):
+    loader = dataecho.EchoLoader(range(1000), batch_size=64, echo_factor=1, drop_last=True, seed=seed)
+    batches = list(loader)
+    assert len(batches) == 15 and all(len(b) == 64 for b in batches)
+
+
+# ---- torch ----
+
+
+def test_torch_output_shares_the_native_batch_memory(seed):
+    torch = pytest.importorskip("torch")
+    loader = dataecho.EchoLoader(Records(256), batch_size=32, echo_factor=1, output="torch", seed=seed)
+    epoch = iter(loader)
+    native = []
+    upstream = epoch._final
+
+    def spy(timeout):
+        arrays = upstream(timeout)
+        native.append({a.ctypes.data for a in arrays})
+        return arrays
+
+    epoch._final = spy
+    batch = next(epoch)
+    assert isinstance(batch["x"], torch.Tensor) and batch["x"].shape == (32, 3)
+    assert {batch["x"].data_ptr(), batch["id"].data_ptr()} == native[-1], "no copy"
+    torch.testing.assert_close(batch["x"][:, 0], batch["id"].float())
+    loader.close()
+
+
+def test_device_cpu_path_delivers_every_batch_in_order(seed):
+    torch = pytest.importorskip("torch")
+    loader = dataecho.EchoLoader(Records(320), batch_size=32, echo_factor=2, output="torch", device="cpu", seed=seed)
+    batches = list(loader)
+    assert len(batches) == 20 and all(b["x"].device.type == "cpu" for b in batches)
+    seen = Counter(torch.cat([b["id"] for b in batches]).tolist())
+    assert sorted(seen) == list(range(320)) and set(seen.values()) == {2}
+
+
+def test_pin_memory_and_cuda_without_cuda_fail_clearly():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(RuntimeError, match="pin_memory=True needs CUDA"):
+        dataecho.EchoLoader(range(10), pin_memory=True)
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        dataecho.EchoLoader(range(10), device="cuda")
+
+
+@pytest.mark.skipif(
+    not __import__("importlib").util.find_spec("torch") or not __import__("torch").cuda.is_available(),
+    reason="needs CUDA",
+)
+def test_pinned_batches_reach_the_gpu(seed):
+    import torch
+
+    loader = dataecho.EchoLoader(
+        Records(2048), batch_size=64, echo_factor=2, output="torch", pin_memory=True, device="cuda", seed=seed
+    )
+    total = 0
+    for batch in loader:
+        assert batch["x"].is_cuda
+        torch.testing.assert_close(batch["x"][:, 0], batch["id"].float())
+        total += len(batch["id"])
+    assert total == 4096
+
+
+# ---- bad arguments ----
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,pattern",
+    [
+        ({"source": 5}, TypeError, "source"),
+        ({"batch_size": 0}, ValueError, "batch_size"),
+        ({"echo_factor": 0.5}, ValueError, "echo_factor"),
+        ({"echo_factor": "twice"}, ValueError, "echo_factor"),
+        ({"echo_at": "epoch"}, ValueError, "echo_at"),
+        ({"transform": 3}, TypeError, "transform"),
+        ({"augment": "flip"}, TypeError, "augment"),
+        ({"shuffle_buffer": 0}, ValueError, "shuffle_buffer"),
+        ({"shuffle_buffer": 10, "batch_size": 64}, ValueError, "shuffle_buffer"),
+        ({"workers": 0}, ValueError, "workers"),
+        ({"shuffle": "yes"}, TypeError, "shuffle"),
+        ({"seed": -3}, ValueError, "seed"),
+        ({"prefetch": 0}, ValueError, "prefetch"),
+        ({"max_echo": 0.9}, ValueError, "max_echo"),
+        ({"output": "jax"}, ValueError, "output"),
+        ({"pin_memory": 1}, TypeError, "pin_memory"),
+    ],
+)
+def test_bad_arguments(kwargs, error, pattern):
+    args = {"source": range(100), **kwargs}
+    with pytest.raises(error, match=pattern):
+        dataecho.EchoLoader(**args)
