@@ -1,0 +1,185 @@
+"""Data echoing against a slow upstream: wall time for N training steps at echo
+factors 1, 2, 4 and "auto", beside the ideal speed-up.
+
+Workload: an ``EchoLoader`` over a map-style dataset whose ``__getitem__`` is
+slow, feeding a training loop whose step costs a fixed time (a sleep: an
+accelerator step leaves the CPU free). Two upstreams:
+
+* I/O-like: each read sleeps (the GIL is released, as for a network read);
+* CPU-bound: each read decompresses a zlib blob (zlib releases the GIL, so the
+  producer threads decode on every core).
+
+With the upstream ``R`` times slower than the step (``R = t_up / t_step`` per
+batch), echoing ``e`` times can at best make the loop ``min(e, R)`` times faster
+(one upstream batch feeds ``e`` steps). R is measured in the same run, from the
+echo-1 time per step. The speed-up of each factor is ``time(e=1) / time(e)``; the
+last column is the share of the ideal it reaches (higher is better; the target
+is at least 0.90 for the I/O-like upstream). Times are in steady state: the first
+``--warmup`` steps (the buffer filling) are not timed.
+
+Usage:
+    python bench/bench_echo.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import zlib
+
+import numpy as np
+
+import dataecho
+
+SHAPE = (3, 32, 32)
+SHUFFLE_BUFFER = 512
+
+
+class SleepyReads:
+    """Examples whose read sleeps ``delay_s`` (I/O-like, GIL released)."""
+
+    def __init__(self, n: int, delay_s: float) -> None:
+        self.n, self.delay_s = n, delay_s
+        self.images = np.random.default_rng(0).integers(0, 256, (64, *SHAPE), dtype=np.uint8)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        time.sleep(self.delay_s)
+        return {"image": self.images[i % 64], "label": i % 10}
+
+
+class ZlibDecodes:
+    """Examples whose read inflates a zlib blob (CPU-bound, GIL released)."""
+
+    def __init__(self, n: int, raw_bytes: int) -> None:
+        self.n = n
+        rng = np.random.default_rng(0)
+        # Compressible but not trivial: low-entropy bytes.
+        raw = (rng.integers(0, 16, raw_bytes, dtype=np.uint8) * 16).tobytes()
+        self.blob = zlib.compress(raw, 6)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        raw = zlib.decompress(self.blob)
+        image = np.frombuffer(raw, dtype=np.uint8, count=int(np.prod(SHAPE)))
+        return {"image": image.reshape(SHAPE), "label": i % 10}
+
+
+def run(source, echo, steps: int, warmup: int, step_s: float, batch_size: int, workers: int) -> dict:
+    """Times ``steps`` training steps after ``warmup`` untimed ones.
+
+    Returns:
+        ``seconds`` for the timed steps, the echo factor achieved over them, and
+        the share of the loop's time spent waiting for batches.
+    """
+    loader = dataecho.EchoLoader(
+        source, batch_size=batch_size, echo_factor=echo, workers=workers, shuffle_buffer=SHUFFLE_BUFFER, seed=0
+    )
+    it = iter(loader)
+    for _ in range(warmup):
+        next(it)
+        time.sleep(step_s)
+    before = loader.stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        next(it)
+        time.sleep(step_s)  # the training step
+    seconds = time.perf_counter() - start
+    after = loader.stats()
+    loader.close()
+    fresh = after["fresh"] - before["fresh"]
+    return {
+        "seconds": seconds,
+        # Echo factor over the timed window: deliveries per fresh example read in it.
+        "echo": (after["delivered"] - before["delivered"]) / fresh if fresh else float("inf"),
+        "wait_fraction": after["consumer_wait_fraction"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs both upstreams at echo factors 1, 2, 4 and auto and prints the table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps (about 30 s in all)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 120, quick 40)")
+    parser.add_argument(
+        "--warmup", type=int, default=60, help="untimed steps first (the buffer grows to full over ~15)"
+    )
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    steps = args.steps or (40 if args.quick else 120)
+    batch_size, workers, max_echo = 32, 2, 4.0
+    step_s = 0.008
+    n = (steps + args.warmup) * batch_size * 2 + 4096
+    upstreams = {
+        # 2 workers x 32 examples x 2 ms = 32 ms of upstream per batch: R = 4.
+        "I/O-like (sleep 2 ms/example)": SleepyReads(n, 0.002),
+        "CPU-bound (zlib inflate)": ZlibDecodes(n, 320 * 1024),
+    }
+    print(
+        f"machine: {_cpu()}, {os.cpu_count()} CPUs; Python {platform.python_version()}, "
+        f"NumPy {np.__version__}, dataecho {dataecho.__version__}"
+    )
+    print(
+        f"workload: batch {batch_size}, {workers} producer threads, step {step_s * 1e3:g} ms (sleep), "
+        f"{steps} timed steps after {args.warmup}; max_echo {max_echo:g} for auto"
+    )
+    print("speed-up = time(e=1) / time(e); ideal = min(e, R); higher is better\n")
+    header = ("upstream", "echo", "s / step", "speed-up", "ideal", "of ideal", "achieved e", "wait share")
+    rows, table = [], []
+    for name, source in upstreams.items():
+        base = None
+        for echo in (1.0, 2.0, 4.0, "auto"):
+            print(f"running {name}, echo {echo} ...", file=sys.stderr, flush=True)
+            result = run(source, echo, steps, args.warmup, step_s, batch_size, workers)
+            per_step = result["seconds"] / steps
+            if base is None:
+                base = per_step
+                ratio = base / step_s  # R: how much slower the upstream is than the step
+            e = max_echo if echo == "auto" else echo
+            ideal = min(e, max(ratio, 1.0))
+            speedup = base / per_step
+            row = {
+                "upstream": name, "echo": echo, "seconds_per_step": per_step, "speedup": speedup,
+                "ideal": ideal, "of_ideal": speedup / ideal, "R": ratio,
+                "achieved_echo": result["echo"], "wait_fraction": result["wait_fraction"],
+            }
+            rows.append(row)
+            table.append((
+                name, str(echo), f"{per_step * 1e3:.1f} ms", f"{speedup:.2f}x", f"{ideal:.2f}x",
+                f"{speedup / ideal:.2f}", f"{result['echo']:.2f}", f"{result['wait_fraction']:.2f}",
+            ))
+        print(f"  {name}: R = {ratio:.2f}", file=sys.stderr)
+    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(header)]
+    print("  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths))))
+    for t in table:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(t, widths))))
+    ratios = {r["upstream"]: r["R"] for r in rows}
+    print("\nR (upstream time / step time, from echo 1): " + "; ".join(f"{k}: {v:.2f}" for k, v in ratios.items()))
+    io = [r for r in rows if r["upstream"].startswith("I/O") and r["echo"] != 1.0]
+    worst = min(r["of_ideal"] for r in io)
+    print(f"target: >= 0.90 of the ideal speed-up with the I/O-like upstream: "
+          f"{'met' if worst >= 0.9 else 'NOT met'} (worst {worst:.2f})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows}, f, indent=2)
+    return 0
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
