@@ -1,7 +1,9 @@
 // The echo-aware shuffle buffer: producers -> slots -> reservoir -> batches -> consumer.
 //
-//  1. A producer pops a free slot index from `free_`, copies one example into the
-//     slot, and pushes the index to `committed_`.
+//  1. A producer (producer.hpp) pops a free slot index from the free ring, copies
+//     one example into the slot, and pushes the index to the committed ring. The
+//     rings and slots live in a region (region.hpp), private to this process or
+//     in shared memory mapped by worker processes, which then produce too.
 //  2. The assembler thread (one, native) pops committed slots into the reservoir,
 //     giving each an echo count floor(e) + Bernoulli(e - floor(e)).
 //  3. For each batch it draws resident examples uniformly without replacement,
@@ -32,10 +34,10 @@
 // Synchronization:
 //   - slot bytes: producer's writes -> committed_ push (P2) -> assembler's pop (C1)
 //     -> gather; assembler's gather -> free_ push (P2) -> producer's pop (C1).
-//   - close: closed_ is stored seq_cst before every EventCount is notified;
-//     producers test it after raising in_flight_ (seq_cst), and the assembler
-//     declares the input finished only after reading closed_ and then
-//     in_flight_ == 0 and an empty committed_ (see input_finished()).
+//   - close: the header's closed flag is stored seq_cst before every EventCount
+//     is notified; producers test it after raising in_flight (seq_cst), and the
+//     assembler declares the input finished only after reading closed and then
+//     in_flight == 0 and an empty committed ring (see input_finished()).
 #pragma once
 
 #include <algorithm>
@@ -49,15 +51,20 @@
 #include <thread>
 #include <vector>
 
-#include "dataecho/arena.hpp"
+#include <optional>
+#include <string>
+
 #include "dataecho/batch_pool.hpp"
 #include "dataecho/config.hpp"
 #include "dataecho/layout.hpp"
 #include "dataecho/memory.hpp"
+#include "dataecho/producer.hpp"
 #include "dataecho/ready_queue.hpp"
+#include "dataecho/region.hpp"
 #include "dataecho/reservoir.hpp"
 #include "dataecho/ring.hpp"
 #include "dataecho/rng.hpp"
+#include "dataecho/shared_memory.hpp"
 #include "dataecho/wait.hpp"
 
 namespace dataecho {
@@ -72,9 +79,8 @@ struct BufferConfig {
   bool drop_last = false;
   std::size_t prefetch = 2;
   std::size_t initial = 0;  // 0: see ShuffleBuffer::default_initial
+  bool shared = false;      // the region in named shared memory, for worker processes
 };
-
-enum class Status : int { kOk = 0, kClosed = 1, kTimeout = 2 };
 
 struct BufferStats {
   std::uint64_t fresh = 0;      // examples accepted by put/put_many
@@ -101,20 +107,14 @@ class ShuffleBuffer {
         config_(validated(config, layout_)),
         echo_base_(static_cast<std::uint32_t>(std::floor(per_example_echo(config_)))),
         echo_fraction_(per_example_echo(config_) - std::floor(per_example_echo(config_))),
-        rings_(Block::allocate(2 * Ring::bytes(ring_cells(config.capacity)), kCacheLine)),
-        free_(Ring::create(rings_.data(), ring_cells(config.capacity))),
-        committed_(Ring::create(rings_.data() + Ring::bytes(ring_cells(config.capacity)),
-                                ring_cells(config.capacity))),
-        arena_(config.capacity, layout_.slot_stride(), layout_.slot_align()),
+        region_(make_region()),
+        producer_(layout_, region_),
         pool_(BatchPool::create(layout_.batch_bytes(), layout_.batch_align())),
-        ready_(config.prefetch, config.auto_echo ? &committed_->not_empty() : nullptr),
-        reservoir_(config.capacity),
-        rng_(config.seed) {
+        ready_(config_.prefetch, config_.auto_echo ? &region_.committed->not_empty() : nullptr),
+        reservoir_(config_.capacity),
+        rng_(config_.seed) {
     full_ = std::max({config_.batch_size, config_.capacity - config_.batch_size, config_.initial});
-    for (std::uint32_t slot = 0; slot < config_.capacity; ++slot) {
-      poison(arena_.slot(slot), layout_.slot_stride());
-      DATAECHO_CHECK(free_->try_push(slot));
-    }
+    for (std::uint32_t slot = 0; slot < config_.capacity; ++slot) poison(region_.arena.slot(slot), layout_.slot_stride());
     assembler_ = std::thread([this] { assemble(); });
   }
 
@@ -124,28 +124,26 @@ class ShuffleBuffer {
   ~ShuffleBuffer() {
     stop();
     if (assembler_.joinable()) assembler_.join();
+    if (shared_) shared_->unlink();
   }
 
   // ---- producers (any thread) ----
 
   // Copies one example (one pointer per field) into a slot and commits it.
-  Status put(const void* const* fields, Deadline deadline) {
-    std::size_t done = 0;
-    return put_rows(fields, 1, done, deadline, /*stacked=*/false);
-  }
+  Status put(const void* const* fields, Deadline deadline) { return producer_.put(fields, deadline); }
 
   // Copies rows [done, n) of stacked per-field arrays; `done` advances as rows
   // land, so a call interrupted by a timeout can be resumed where it stopped.
   Status put_many(const void* const* fields, std::size_t n, std::size_t& done, Deadline deadline) {
-    return put_rows(fields, n, done, deadline, /*stacked=*/true);
+    return producer_.put_many(fields, n, done, deadline);
   }
 
   // End of input: puts fail from now on; iteration delivers what is left, echoes
   // included, then ends. Idempotent.
   void close() noexcept {
-    closed_.store(true, std::memory_order_seq_cst);  // condition store for every waiter below
-    free_->not_empty().notify_all();
-    committed_->not_empty().notify_all();
+    region_.header->closed.store(1, std::memory_order_seq_cst);  // condition store for every waiter below
+    region_.free->not_empty().notify_all();
+    region_.committed->not_empty().notify_all();
   }
 
   // Abandon: like close(), but the assembler drops what is resident and exits,
@@ -156,7 +154,32 @@ class ShuffleBuffer {
     ready_.stop();
   }
 
-  bool closed() const noexcept { return closed_.load(std::memory_order_acquire); }
+  bool closed() const noexcept { return producer_.closed(); }
+
+  // ---- worker processes ----
+
+  // The shared region's name for workers to attach to ("" when private), until
+  // unlink_region() removes it (once every worker has attached).
+  std::string region_name() const { return shared_ && shared_->linked() ? shared_->name() : std::string(); }
+  void unlink_region() noexcept {
+    if (shared_) shared_->unlink();
+  }
+
+  // Positions [0, end) of a map-style order, to be claimed by producers.
+  void set_index_range(std::uint64_t end) noexcept {
+    // relaxed: set before any producer starts (process creation orders it).
+    region_.header->next_index.store(0, std::memory_order_relaxed);
+    region_.header->index_end.store(end, std::memory_order_relaxed);
+  }
+
+  Producer& producer() noexcept { return producer_; }
+
+  // (produced, busy_ns) of worker w.
+  std::pair<std::uint64_t, std::uint64_t> worker_counters(std::size_t w) const noexcept {
+    const WorkerCounters& c = region_.header->workers[w];
+    // relaxed: statistics.
+    return {c.produced.load(std::memory_order_relaxed), c.busy_ns.load(std::memory_order_relaxed)};
+  }
 
   // ---- consumer (one thread) ----
 
@@ -176,13 +199,13 @@ class ShuffleBuffer {
   BufferStats stats() const noexcept {
     // relaxed: independent counters, each monotone; a snapshot need not be atomic.
     BufferStats s;
-    s.fresh = fresh_.load(std::memory_order_relaxed);
+    s.fresh = region_.header->fresh.load(std::memory_order_relaxed);
     s.delivered = delivered_.load(std::memory_order_relaxed);
     s.batches = batches_.load(std::memory_order_relaxed);
     s.dropped = dropped_.load(std::memory_order_relaxed);
     s.evicted = evicted_.load(std::memory_order_relaxed);
     s.resident = resident_.load(std::memory_order_relaxed);
-    s.producer_wait_s = 1e-9 * static_cast<double>(producer_wait_ns_.load(std::memory_order_relaxed));
+    s.producer_wait_s = 1e-9 * static_cast<double>(region_.header->producer_wait_ns.load(std::memory_order_relaxed));
     s.consumer_wait_s = 1e-9 * static_cast<double>(consumer_wait_ns_.load(std::memory_order_relaxed));
     return s;
   }
@@ -197,7 +220,7 @@ class ShuffleBuffer {
   void adopt_batch_memory(Block block) { pool_->adopt(std::move(block)); }
   // Free slots right now; equals capacity once everything put has been delivered
   // (or dropped), which is how tests prove that no slot leaked.
-  std::size_t free_slots() const noexcept { return free_->size_approx(); }
+  std::size_t free_slots() const noexcept { return region_.free->size_approx(); }
 
  private:
   // Checks the configuration before any member uses it; fills in `initial`.
@@ -216,10 +239,18 @@ class ShuffleBuffer {
     return config.auto_echo ? config.max_echo : config.echo_factor;
   }
 
-  // One cell per slot, so pushes of slot indices never find a ring full for
-  // want of room (see release_slot for the one transient exception).
-  static std::size_t ring_cells(std::size_t capacity) noexcept {
-    return std::max(Ring::kMinCapacity, std::bit_ceil(capacity));
+  // The region: heap memory, or named shared memory for worker processes.
+  RegionView make_region() {
+    const RegionLayout where(layout_, config_.capacity);
+    std::byte* base;
+    if (config_.shared) {
+      shared_.emplace(SharedMemory::create(where.total_bytes));
+      base = shared_->data();
+    } else {
+      private_ = Block::allocate(where.total_bytes, std::max(where.align, kCacheLine));
+      base = private_.data();
+    }
+    return RegionView::create(base, layout_, config_.capacity, config_.shared);
   }
 
   static std::uint64_t elapsed_ns(Clock::time_point start) noexcept {
@@ -227,65 +258,17 @@ class ShuffleBuffer {
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
   }
 
-  Status put_rows(const void* const* fields, std::size_t n, std::size_t& done, Deadline deadline,
-                  bool stacked) {
-    // (I1) raise in_flight_ before testing closed_: pairs with input_finished().
-    in_flight_.fetch_add(1, std::memory_order_seq_cst);
-    Status status = Status::kOk;
-    const std::size_t start = done;
-    while (done < n) {
-      std::uint32_t slot;
-      status = acquire_slot(slot, deadline);
-      if (status != Status::kOk) break;
-      std::byte* dst = arena_.slot(slot);
-      if (stacked)
-        layout_.scatter_row(fields, done, dst);
-      else
-        layout_.scatter(fields, dst);
-      // Never full: it has a cell per slot, and its one popper (the assembler)
-      // cannot be lapped while stalled, since that would need capacity + 1 slots.
-      DATAECHO_CHECK(committed_->try_push(slot));
-      ++done;
-    }
-    // relaxed: statistics.
-    fresh_.fetch_add(done - start, std::memory_order_relaxed);
-    // (I2) seq_cst: the condition store for the assembler's wait in fill(); its
-    // pushes above are ordered before it.
-    // The closed_ load is seq_cst so that it and close()'s store are in one order
-    // with the assembler's in_flight_ read: one of the two sides sees the other.
-    if (in_flight_.fetch_sub(1, std::memory_order_seq_cst) == 1 &&
-        closed_.load(std::memory_order_seq_cst))
-      committed_->not_empty().notify_all();
-    return status;
-  }
-
-  Status acquire_slot(std::uint32_t& slot, Deadline deadline) {
-    // seq_cst: pairs with close(); after it, no new slot is taken.
-    if (closed_.load(std::memory_order_seq_cst)) return Status::kClosed;
-    if (free_->try_pop(slot)) return Status::kOk;
-    const auto start = Clock::now();
-    bool got = false;
-    bool closed = false;
-    const bool woke = block_until(free_->not_empty(), deadline, [&] {
-      if (closed_.load(std::memory_order_seq_cst)) return closed = true;
-      return got = free_->try_pop(slot);
-    });
-    producer_wait_ns_.fetch_add(elapsed_ns(start), std::memory_order_relaxed);  // relaxed: statistics
-    if (got) return Status::kOk;
-    if (closed) return Status::kClosed;
-    return woke ? Status::kClosed : Status::kTimeout;
-  }
-
   // True when no example can arrive any more: closed, no put in flight, and
-  // committed_ drained. Order matters: closed_ (seq_cst) then in_flight_ (seq_cst,
-  // pairs with I1/I2) then the ring. A put that raised in_flight_ after our read
-  // of it sees closed_ and takes no slot; one that finished before has its pushes
+  // the committed ring drained. Order matters: closed (seq_cst) then in_flight
+  // (seq_cst, pairs with I1/I2 in producer.hpp) then the ring. A put that raised
+  // in_flight after our read of it sees closed and takes no slot; one that
+  // finished before has its pushes
   // ordered before its decrement, so the final try_pop sees them.
   bool input_finished(std::uint32_t& slot, bool& got) {
     got = false;
-    if (!closed_.load(std::memory_order_seq_cst)) return false;
-    if (in_flight_.load(std::memory_order_seq_cst) != 0) return false;
-    got = committed_->try_pop(slot);
+    if (!region_.header->closed.load(std::memory_order_seq_cst)) return false;
+    if (region_.header->in_flight.load(std::memory_order_seq_cst) != 0) return false;
+    got = region_.committed->try_pop(slot);
     return !got;
   }
 
@@ -305,8 +288,8 @@ class ShuffleBuffer {
       if (stop_.load(std::memory_order_relaxed)) return false;  // relaxed: polled; exit is best-effort prompt
       std::uint32_t slot;
       bool got = false;
-      block_until(committed_->not_empty(), Deadline::never(), [&] {
-        if (committed_->try_pop(slot)) return got = true;
+      block_until(region_.committed->not_empty(), Deadline::never(), [&] {
+        if (region_.committed->try_pop(slot)) return got = true;
         if (stop_.load(std::memory_order_seq_cst)) return true;
         return input_finished(slot, got) || got;
       });
@@ -369,7 +352,7 @@ class ShuffleBuffer {
         gather_row(reservoir_.draw_fresh(rng_), batch, row++);
         continue;
       }
-      if (got || committed_->try_pop(slot)) {
+      if (got || region_.committed->try_pop(slot)) {
         take_in(slot);
         got = false;
         continue;
@@ -381,8 +364,8 @@ class ShuffleBuffer {
         gather_row(reservoir_.draw_seen(rng_), batch, row++);  // the consumer is waiting: echo
         continue;
       }
-      block_until(committed_->not_empty(), Deadline::never(), [&] {
-        if (committed_->try_pop(slot)) return got = true;
+      block_until(region_.committed->not_empty(), Deadline::never(), [&] {
+        if (region_.committed->try_pop(slot)) return got = true;
         if (stop_.load(std::memory_order_seq_cst)) return true;
         if (reservoir_.size() > 0 && ready_.size() == 0) return true;  // the consumer drained it
         return input_finished(slot, got) || got;
@@ -404,23 +387,23 @@ class ShuffleBuffer {
   // have a batch's worth of free slots or no delivered example is left.
   void make_room() {
     std::uint64_t evicted = 0;
-    while (reservoir_.size() > reservoir_.fresh() && free_->size_approx() < config_.batch_size) {
+    while (reservoir_.size() > reservoir_.fresh() && region_.free->size_approx() < config_.batch_size) {
       const auto [slot, echoes] = reservoir_.evict_seen(rng_);
       evicted += echoes;
       release_slot(slot);
     }
     if (evicted == 0) return;
     evicted_.fetch_add(evicted, std::memory_order_relaxed);  // relaxed: statistics
-    free_->not_empty().notify_all();
+    region_.free->not_empty().notify_all();
   }
 
   void gather_row(Reservoir::Draw draw, Batch& batch, std::size_t row) {
-    layout_.gather(arena_.slot(draw.slot), batch.lease->data(), row);
+    layout_.gather(region_.arena.slot(draw.slot), batch.lease->data(), row);
     if (draw.last) release_slot(draw.slot);
   }
 
   void push(Batch batch) {
-    free_->not_empty().notify_all();  // one wake-up for the slots this batch freed
+    region_.free->not_empty().notify_all();  // one wake-up for the slots this batch freed
     publish_resident();
     ready_.push(std::move(batch));
   }
@@ -433,9 +416,9 @@ class ShuffleBuffer {
   // producer is mid-operation, so wait for its pop to complete (it notifies
   // not_full) instead of treating it as an error.
   void release_slot(std::uint32_t slot) noexcept {
-    poison(arena_.slot(slot), layout_.slot_stride());
-    if (free_->try_push_quiet(slot)) return;
-    block_until(free_->not_full(), Deadline::never(), [&] { return free_->try_push_quiet(slot); });
+    poison(region_.arena.slot(slot), layout_.slot_stride());
+    if (region_.free->try_push_quiet(slot)) return;
+    block_until(region_.free->not_full(), Deadline::never(), [&] { return region_.free->try_push_quiet(slot); });
   }
 
   // End of the stream: what is resident is not needed any more.
@@ -443,7 +426,7 @@ class ShuffleBuffer {
     // relaxed: statistics. With auto echo, unspent budget is not a loss.
     if (!config_.auto_echo) dropped_.fetch_add(reservoir_.echoes_left(), std::memory_order_relaxed);
     reservoir_.clear([this](std::uint32_t slot) { release_slot(slot); });
-    free_->not_empty().notify_all();
+    region_.free->not_empty().notify_all();
     publish_resident();
     ready_.finish();
     return false;
@@ -459,10 +442,10 @@ class ShuffleBuffer {
   const double echo_fraction_;
   std::size_t full_ = 0;  // steady-state fill target
 
-  Block rings_;
-  Ring* free_;
-  Ring* committed_;
-  SlotArena arena_;
+  std::optional<SharedMemory> shared_;  // the region, when shared
+  Block private_;                       // the region, when private
+  RegionView region_;
+  Producer producer_;                   // this process's puts
   std::shared_ptr<BatchPool> pool_;
   ReadyQueue ready_;
 
@@ -470,11 +453,7 @@ class ShuffleBuffer {
   Reservoir reservoir_;
   Rng rng_;
 
-  alignas(kCacheLine) std::atomic<bool> closed_{false};
-  std::atomic<bool> stop_{false};
-  alignas(kCacheLine) std::atomic<std::uint64_t> in_flight_{0};
-  alignas(kCacheLine) std::atomic<std::uint64_t> fresh_{0};
-  std::atomic<std::uint64_t> producer_wait_ns_{0};
+  alignas(kCacheLine) std::atomic<bool> stop_{false};
   alignas(kCacheLine) std::atomic<std::uint64_t> delivered_{0};
   std::atomic<std::uint64_t> batches_{0};
   std::atomic<std::uint64_t> consumer_wait_ns_{0};

@@ -1,0 +1,121 @@
+// The producer side of a shuffle buffer: take a free slot, copy one example in,
+// commit it. Works on a RegionView, so the same code runs in the process that
+// owns the buffer and in worker processes that mapped its region.
+//
+// Synchronization (with the assembler, shuffle_buffer.hpp):
+//   - slot bytes: the copy into the slot happens-before the committed push (P2),
+//     which pairs with the assembler's pop (C1); the assembler's gather
+//     happens-before its free push, which pairs with our pop.
+//   - close: (I1) raise in_flight before testing closed; (I2) lower it after the
+//     last push. close() stores closed before reading anything, and the
+//     assembler reads closed, then in_flight, then the ring: all seq_cst, so in
+//     the single order either a put sees closed and takes no slot, or the
+//     assembler sees its in_flight and waits for it.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+
+#include "dataecho/layout.hpp"
+#include "dataecho/region.hpp"
+#include "dataecho/wait.hpp"
+
+namespace dataecho {
+
+enum class Status : int { kOk = 0, kClosed = 1, kTimeout = 2 };
+
+class Producer {
+ public:
+  Producer(ExampleLayout layout, RegionView region) : layout_(std::move(layout)), region_(region) {}
+
+  // Copies one example (one pointer per field) into a slot and commits it.
+  Status put(const void* const* fields, Deadline deadline) {
+    std::size_t done = 0;
+    return put_rows(fields, 1, done, deadline, /*stacked=*/false);
+  }
+
+  // Copies rows [done, n) of stacked per-field arrays; `done` advances as rows
+  // land, so a call interrupted by a timeout can be resumed where it stopped.
+  Status put_many(const void* const* fields, std::size_t n, std::size_t& done, Deadline deadline) {
+    return put_rows(fields, n, done, deadline, /*stacked=*/true);
+  }
+
+  // Next position of the epoch's order for a map-style source, or -1 when all
+  // are taken. Each position goes to exactly one producer.
+  std::int64_t claim_index() noexcept {
+    RegionHeader& h = *region_.header;
+    // relaxed: the counter only hands out distinct numbers; no data rides on it.
+    const std::uint64_t i = h.next_index.fetch_add(1, std::memory_order_relaxed);
+    return i < h.index_end.load(std::memory_order_relaxed) ? static_cast<std::int64_t>(i) : -1;
+  }
+
+  // Adds to worker `w`'s counters (w < kMaxWorkers).
+  void record(std::size_t worker, std::uint64_t produced, std::uint64_t busy_ns) noexcept {
+    if (worker >= kMaxWorkers) return;
+    // relaxed: statistics.
+    region_.header->workers[worker].produced.fetch_add(produced, std::memory_order_relaxed);
+    region_.header->workers[worker].busy_ns.fetch_add(busy_ns, std::memory_order_relaxed);
+  }
+
+  bool closed() const noexcept { return region_.header->closed.load(std::memory_order_seq_cst) != 0; }
+  const ExampleLayout& layout() const noexcept { return layout_; }
+  const RegionView& region() const noexcept { return region_; }
+
+ private:
+  static std::uint64_t elapsed_ns(Clock::time_point start) noexcept {
+    return static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
+  }
+
+  Status put_rows(const void* const* fields, std::size_t n, std::size_t& done, Deadline deadline, bool stacked) {
+    RegionHeader& h = *region_.header;
+    h.in_flight.fetch_add(1, std::memory_order_seq_cst);  // (I1)
+    Status status = Status::kOk;
+    const std::size_t start = done;
+    while (done < n) {
+      std::uint32_t slot;
+      status = acquire_slot(slot, deadline);
+      if (status != Status::kOk) break;
+      std::byte* dst = region_.arena.slot(slot);
+      if (stacked)
+        layout_.scatter_row(fields, done, dst);
+      else
+        layout_.scatter(fields, dst);
+      // Never full: it has a cell per slot, and its one popper (the assembler)
+      // cannot be lapped while stalled, since that would need capacity + 1 slots.
+      DATAECHO_CHECK(region_.committed->try_push(slot));
+      ++done;
+    }
+    h.fresh.fetch_add(done - start, std::memory_order_relaxed);  // relaxed: statistics
+    // (I2) seq_cst: the condition store for the assembler's wait; our pushes are
+    // ordered before it. The closed load is seq_cst so that it and close()'s
+    // store are in one order with the assembler's in_flight read.
+    if (h.in_flight.fetch_sub(1, std::memory_order_seq_cst) == 1 && h.closed.load(std::memory_order_seq_cst))
+      region_.committed->not_empty().notify_all();
+    return status;
+  }
+
+  Status acquire_slot(std::uint32_t& slot, Deadline deadline) {
+    RegionHeader& h = *region_.header;
+    // seq_cst: pairs with close(); after it, no new slot is taken.
+    if (h.closed.load(std::memory_order_seq_cst)) return Status::kClosed;
+    if (region_.free->try_pop(slot)) return Status::kOk;
+    const auto start = Clock::now();
+    bool got = false;
+    bool closed = false;
+    block_until(region_.free->not_empty(), deadline, [&] {
+      if (h.closed.load(std::memory_order_seq_cst)) return closed = true;
+      return got = region_.free->try_pop(slot);
+    });
+    h.producer_wait_ns.fetch_add(elapsed_ns(start), std::memory_order_relaxed);  // relaxed: statistics
+    if (got) return Status::kOk;
+    return closed ? Status::kClosed : Status::kTimeout;
+  }
+
+  ExampleLayout layout_;
+  RegionView region_;
+};
+
+}  // namespace dataecho

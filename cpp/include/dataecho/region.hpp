@@ -1,0 +1,153 @@
+// The region: everything producers touch, in one block of memory that may be
+// private to the process or shared with worker processes.
+//
+//   [RegionHeader][free ring][committed ring][arena: capacity slots]
+//
+// It holds no pointers, only offsets, sizes, 32- and 64-bit atomics and futex
+// words, so every process can map it at its own address. The header's first
+// fields describe the layout; a process that attaches checks them before it
+// touches anything else.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <new>
+
+#include "dataecho/arena.hpp"
+#include "dataecho/config.hpp"
+#include "dataecho/layout.hpp"
+#include "dataecho/ring.hpp"
+
+namespace dataecho {
+
+inline constexpr std::uint64_t kRegionMagic = 0x6F68636561746164ull;  // "dataecho"
+inline constexpr std::uint64_t kRegionVersion = 1;
+inline constexpr std::size_t kMaxWorkers = 256;
+
+// Counters one producer (a worker process, say) keeps for stats(); written only
+// by that producer, read by anyone.
+struct alignas(kCacheLine) WorkerCounters {
+  std::atomic<std::uint64_t> produced{0};
+  std::atomic<std::uint64_t> busy_ns{0};
+};
+
+struct RegionHeader {
+  // Written once by the creator before the region is shared; read-only after.
+  std::uint64_t magic = 0;
+  std::uint64_t version = 0;
+  std::uint64_t capacity = 0;
+  std::uint64_t ring_cells = 0;
+  std::uint64_t slot_stride = 0;
+  std::uint64_t layout_hash = 0;
+  std::uint64_t total_bytes = 0;
+  std::uint64_t free_offset = 0;
+  std::uint64_t committed_offset = 0;
+  std::uint64_t arena_offset = 0;
+
+  // closed: end of input (puts fail, the rest drains). stop: abandon at once.
+  // 32-bit so that they are address-free everywhere.
+  alignas(kCacheLine) std::atomic<std::uint32_t> closed{0};
+  std::atomic<std::uint32_t> stop{0};
+  alignas(kCacheLine) std::atomic<std::uint64_t> in_flight{0};  // puts under way
+  alignas(kCacheLine) std::atomic<std::uint64_t> fresh{0};      // examples accepted
+  std::atomic<std::uint64_t> producer_wait_ns{0};
+  // Work claiming for map-style sources: producers take positions [0, index_end)
+  // of the epoch's order with fetch_add.
+  alignas(kCacheLine) std::atomic<std::uint64_t> next_index{0};
+  std::atomic<std::uint64_t> index_end{0};
+  WorkerCounters workers[kMaxWorkers];
+};
+
+static_assert(std::atomic<std::uint32_t>::is_always_lock_free && std::atomic<std::uint64_t>::is_always_lock_free,
+              "region atomics must be lock-free to be address-free across processes");
+
+// Where each part of a region lives, for a given layout and capacity.
+struct RegionLayout {
+  std::size_t ring_cells;
+  std::size_t free_offset;
+  std::size_t committed_offset;
+  std::size_t arena_offset;
+  std::size_t total_bytes;
+  std::size_t align;
+
+  RegionLayout(const ExampleLayout& layout, std::size_t capacity) {
+    ring_cells = std::max(Ring::kMinCapacity, std::bit_ceil(capacity));
+    align = layout.slot_align();
+    free_offset = round_up(sizeof(RegionHeader), kCacheLine);
+    committed_offset = free_offset + Ring::bytes(ring_cells);
+    arena_offset = round_up(committed_offset + Ring::bytes(ring_cells), align);
+    if (capacity > (SIZE_MAX - arena_offset) / layout.slot_stride()) throw std::bad_alloc();
+    total_bytes = arena_offset + capacity * layout.slot_stride();
+  }
+};
+
+// A fingerprint of where fields sit in a slot, so that a producer built from a
+// different field list cannot attach to a region.
+inline std::uint64_t layout_hash(const ExampleLayout& layout) {
+  std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the offsets and sizes
+  auto mix = [&h](std::uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (v >> (8 * i)) & 0xFF;
+      h *= 1099511628211ull;
+    }
+  };
+  mix(layout.fields());
+  for (std::size_t f = 0; f < layout.fields(); ++f) {
+    mix(layout.field_bytes(f));
+    mix(layout.slot_offset(f));
+  }
+  mix(layout.slot_stride());
+  return h;
+}
+
+// Views of the parts of a region; `base` must hold RegionLayout::total_bytes.
+struct RegionView {
+  RegionHeader* header = nullptr;
+  Ring* free = nullptr;
+  Ring* committed = nullptr;
+  SlotArena arena;
+
+  // Builds a new region in `base`: header, both rings, and every slot free.
+  static RegionView create(std::byte* base, const ExampleLayout& layout, std::size_t capacity,
+                           bool process_shared) {
+    const RegionLayout where(layout, capacity);
+    auto* header = new (base) RegionHeader;
+    header->capacity = capacity;
+    header->ring_cells = where.ring_cells;
+    header->slot_stride = layout.slot_stride();
+    header->layout_hash = layout_hash(layout);
+    header->total_bytes = where.total_bytes;
+    header->free_offset = where.free_offset;
+    header->committed_offset = where.committed_offset;
+    header->arena_offset = where.arena_offset;
+    RegionView view{header, Ring::create(base + where.free_offset, where.ring_cells, process_shared),
+                    Ring::create(base + where.committed_offset, where.ring_cells, process_shared),
+                    SlotArena(base + where.arena_offset, capacity, layout.slot_stride())};
+    for (std::uint32_t slot = 0; slot < capacity; ++slot) DATAECHO_CHECK(view.free->try_push(slot));
+    // Other processes attach only after they are started, which orders these
+    // plain writes before their reads.
+    header->version = kRegionVersion;
+    header->magic = kRegionMagic;
+    return view;
+  }
+
+  // Views an existing region; false if `base` does not hold a region of this
+  // layout (wrong magic, version, layout or size).
+  static bool attach(std::byte* base, std::size_t bytes, const ExampleLayout& layout, RegionView& out) {
+    if (bytes < sizeof(RegionHeader)) return false;
+    auto* header = std::launder(reinterpret_cast<RegionHeader*>(base));
+    if (header->magic != kRegionMagic || header->version != kRegionVersion) return false;
+    if (header->layout_hash != layout_hash(layout) || header->total_bytes > bytes) return false;
+    const RegionLayout where(layout, header->capacity);
+    if (where.total_bytes != header->total_bytes || where.arena_offset != header->arena_offset) return false;
+    out = {header, std::launder(reinterpret_cast<Ring*>(base + header->free_offset)),
+           std::launder(reinterpret_cast<Ring*>(base + header->committed_offset)),
+           SlotArena(base + header->arena_offset, header->capacity, header->slot_stride)};
+    return true;
+  }
+};
+
+}  // namespace dataecho
