@@ -5,6 +5,7 @@
 
 namespace dataecho::py_binding {
 void register_buffer(pybind11::module_& m);
+void register_producer(pybind11::module_& m);
 }
 
 PYBIND11_MODULE(_core, m) {
@@ -16,4 +17,5 @@ PYBIND11_MODULE(_core, m) {
 #endif
   m.attr("POISON_BYTE") = static_cast<int>(dataecho::kPoisonByte);
   dataecho::py_binding::register_buffer(m);
+  dataecho::py_binding::register_producer(m);
 }

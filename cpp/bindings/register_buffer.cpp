@@ -14,36 +14,18 @@
 
 #include "blocking.hpp"
 #include "dataecho/shuffle_buffer.hpp"
+#include "fields.hpp"
 
 namespace dataecho::py_binding {
 
 namespace {
 
-struct FieldSpec {
-  py::dtype dtype;
-  std::vector<py::ssize_t> shape;
-  std::size_t bytes;
-};
-
 class PyBuffer {
  public:
-  PyBuffer(const std::vector<std::pair<std::vector<py::ssize_t>, py::dtype>>& fields,
-           std::size_t capacity, std::size_t batch_size, double echo_factor, bool auto_echo,
-           double max_echo, std::uint64_t seed, bool drop_last, std::size_t prefetch,
-           std::size_t initial) {
-    if (fields.empty()) throw py::value_error("fields: expected at least one field");
-    std::vector<std::size_t> bytes;
-    for (const auto& [shape, dtype] : fields) {
-      std::size_t n = static_cast<std::size_t>(dtype.itemsize());
-      for (py::ssize_t d : shape) {
-        if (d <= 0) throw py::value_error("fields: dimensions must be positive");
-        if (n > SIZE_MAX / static_cast<std::size_t>(d)) throw py::value_error("fields: size overflows");
-        n *= static_cast<std::size_t>(d);
-      }
-      if (n == 0) throw py::value_error("fields: zero-size field");
-      specs_.push_back({dtype, shape, n});
-      bytes.push_back(n);
-    }
+  PyBuffer(const std::vector<FieldDecl>& fields, std::size_t capacity, std::size_t batch_size,
+           double echo_factor, bool auto_echo, double max_echo, std::uint64_t seed, bool drop_last,
+           std::size_t prefetch, std::size_t initial, bool shared)
+      : specs_(field_specs(fields)) {
     if (capacity == 0 || capacity > Ring::kMaxCapacity) throw py::value_error("capacity: out of range");
     if (batch_size == 0 || batch_size > capacity) throw py::value_error("batch_size: out of range");
     if (!(echo_factor >= 1.0 && echo_factor < 4294967296.0))
@@ -60,13 +42,14 @@ class PyBuffer {
     config.drop_last = drop_last;
     config.prefetch = prefetch;
     config.initial = initial;
-    core_ = std::make_unique<ShuffleBuffer>(ExampleLayout(std::move(bytes), batch_size), config);
+    config.shared = shared;
+    core_ = std::make_unique<ShuffleBuffer>(ExampleLayout(field_bytes(specs_), batch_size), config);
   }
 
   // `arrays` is borrowed (see blocking.hpp): the caller's list keeps it alive.
   int put(py::handle arrays, std::optional<double> timeout_s) {
     ShuffleBuffer& core = live();
-    const auto pointers = field_pointers(arrays, std::nullopt);
+    const auto pointers = field_pointers(specs_, arrays, std::nullopt);
     return static_cast<int>(
         call_blocking([&](Deadline d) { return core.put(pointers.data(), d); }, timeout_s));
   }
@@ -74,7 +57,7 @@ class PyBuffer {
   std::pair<int, std::size_t> put_many(py::handle arrays, std::size_t n,
                                        std::optional<double> timeout_s) {
     ShuffleBuffer& core = live();
-    const auto pointers = field_pointers(arrays, n);
+    const auto pointers = field_pointers(specs_, arrays, n);
     std::size_t done = 0;
     const Status status = call_blocking(
         [&](Deadline d) { return core.put_many(pointers.data(), n, done, d); }, timeout_s);
@@ -118,6 +101,13 @@ class PyBuffer {
   }
 
   const ShuffleBuffer& core() const { return live(); }
+  ShuffleBuffer& core() { return live(); }
+
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> worker_counters(std::size_t workers) const {
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> counters;
+    for (std::size_t w = 0; w < std::min(workers, kMaxWorkers); ++w) counters.push_back(live().worker_counters(w));
+    return counters;
+  }
 
   // Hands `nbytes` at `address` to the batch pool; `owner` (a page-locked torch
   // tensor, say) is kept alive until the pool, which may outlive this buffer
@@ -140,31 +130,6 @@ class PyBuffer {
   void abandon_after_fork() noexcept { (void)core_.release(); }
 
  private:
-  // One pointer per field; checks every array is C-contiguous with the exact
-  // byte count. The temporaries it makes are gone when it returns.
-  std::vector<const void*> field_pointers(py::handle arrays, std::optional<std::size_t> rows) const {
-    if (!PyList_Check(arrays.ptr()))
-      throw py::type_error("arrays: expected a list of arrays, one per field");
-    const auto items = py::reinterpret_borrow<py::list>(arrays);
-    if (items.size() != specs_.size())
-      throw py::value_error("example: expected " + std::to_string(specs_.size()) + " fields, got " +
-                            std::to_string(items.size()));
-    std::vector<const void*> pointers;
-    pointers.reserve(items.size());
-    for (std::size_t f = 0; f < items.size(); ++f) {
-      if (!py::isinstance<py::array>(items[f]))
-        throw py::type_error("example: field " + std::to_string(f) + " is not a NumPy array");
-      const auto a = py::reinterpret_borrow<py::array>(items[f]);
-      const std::size_t expected = specs_[f].bytes * rows.value_or(1);
-      if (!(a.flags() & py::array::c_style) || static_cast<std::size_t>(a.nbytes()) != expected ||
-          (rows && (a.ndim() < 1 || static_cast<std::size_t>(a.shape(0)) != *rows)))
-        throw py::value_error("example: field " + std::to_string(f) +
-                              " is not a C-contiguous array of the declared size");
-      pointers.push_back(a.data());
-    }
-    return pointers;
-  }
-
   // Releases a block's owner. Blocks die with the pool, normally under the GIL
   // (a batch's arrays or the buffer being deallocated); at interpreter exit the
   // reference is left alone rather than touch a finalizing interpreter.
@@ -191,11 +156,17 @@ void register_buffer(py::module_& m) {
       m, "BatchLease", "Owns one batch's memory; arrays of the batch keep it alive.");
 
   py::class_<PyBuffer>(m, "Buffer")
-      .def(py::init<const std::vector<std::pair<std::vector<py::ssize_t>, py::dtype>>&, std::size_t,
-                    std::size_t, double, bool, double, std::uint64_t, bool, std::size_t, std::size_t>(),
+      .def(py::init<const std::vector<FieldDecl>&, std::size_t, std::size_t, double, bool, double,
+                    std::uint64_t, bool, std::size_t, std::size_t, bool>(),
            py::arg("fields"), py::arg("capacity"), py::arg("batch_size"), py::arg("echo_factor"),
            py::arg("auto_echo"), py::arg("max_echo"), py::arg("seed"), py::arg("drop_last"),
-           py::arg("prefetch"), py::arg("initial"))
+           py::arg("prefetch"), py::arg("initial"), py::arg("shared") = false)
+      .def_property_readonly("region_name", [](const PyBuffer& b) { return b.core().region_name(); })
+      .def("unlink_region", [](PyBuffer& b) { b.core().unlink_region(); })
+      .def("set_index_range",
+           [](PyBuffer& b, std::uint64_t begin, std::uint64_t end) { b.core().set_index_range(begin, end); },
+           py::arg("begin"), py::arg("end"))
+      .def("worker_counters", &PyBuffer::worker_counters, py::arg("workers"))
       .def("add_batch_memory", &PyBuffer::add_batch_memory, py::arg("address"), py::arg("nbytes"),
            py::arg("owner"))
       .def("put", &PyBuffer::put, py::arg("arrays"), py::arg("timeout_s"))

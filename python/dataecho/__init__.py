@@ -7,9 +7,10 @@ the pipeline (Choi et al., "Faster Neural Network Training with Data Echoing",
 
 from __future__ import annotations
 
+from ._worker import WorkerInfo, get_worker_info
 from .buffer import ShuffleBuffer
 from .errors import BufferClosed
 from .loader import EchoLoader
 
-__all__ = ["BufferClosed", "EchoLoader", "ShuffleBuffer", "__version__"]
+__all__ = ["BufferClosed", "EchoLoader", "ShuffleBuffer", "WorkerInfo", "__version__", "get_worker_info"]
 __version__ = "0.1.0"

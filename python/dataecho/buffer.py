@@ -67,6 +67,7 @@ class ShuffleBuffer:
         prefetch: int = 2,
         initial: int | None = None,
         max_echo: float = 4.0,
+        _shared: bool = False,
     ) -> None:
         self._fields, self._single = parse_fields(fields)
         capacity = _checks.positive_int("capacity", capacity, _MAX_CAPACITY)
@@ -95,6 +96,7 @@ class ShuffleBuffer:
                 drop_last,
                 prefetch,
                 initial or 0,
+                _shared,
             )
         except MemoryError:
             example = sum(f.nbytes for f in self._fields)

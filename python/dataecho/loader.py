@@ -23,6 +23,7 @@ from . import _checks
 from .augment import AugmentStage
 from .batch_echo import BatchEcho
 from .buffer import ShuffleBuffer
+from .process_producers import ProcessProducers, check_picklable, default_start_method
 from .producers import Failure, Producers, epoch_order
 from .structure import Structure
 
@@ -79,6 +80,15 @@ class EchoLoader:
         pin_memory: batch memory is page-locked, allocated once (needs CUDA).
         device: a torch device; each batch is copied there on a side stream,
             one batch ahead, so the copy overlaps the training step.
+        worker_type: ``"thread"`` or ``"process"``: producer processes for a
+            CPU-bound Python ``source``/``transform`` (the GIL would serialize
+            threads). They write examples straight into the echo buffer's slots in
+            shared memory. ``source`` and ``transform`` must be picklable; an
+            iterable source is iterated by every worker, which should read its own
+            shard using ``dataecho.get_worker_info()``. Started per epoch.
+        start_method: for processes: ``"forkserver"`` (default where available)
+            or ``"spawn"``; ``"fork"`` is refused, as forking a process that runs
+            native threads is unsafe.
 
     Raises:
         TypeError, ValueError: a bad argument, named in the message.
@@ -103,6 +113,8 @@ class EchoLoader:
         output: str = "numpy",
         pin_memory: bool = False,
         device: Any = None,
+        worker_type: str = "thread",
+        start_method: str | None = None,
     ) -> None:
         if not (_is_map_style(source) or isinstance(source, Iterable)):
             raise TypeError(
@@ -141,10 +153,19 @@ class EchoLoader:
         self.output = output
         self.pin_memory = _checks.flag("pin_memory", pin_memory)
         self.device = self._check_device(device)
+        if worker_type not in ("thread", "process"):
+            raise ValueError(f"worker_type: expected 'thread' or 'process', got {worker_type!r}")
+        self.worker_type = worker_type
+        self.start_method = start_method
+        if worker_type == "process":
+            self.start_method = self._check_start_method(start_method)
+            check_picklable("source", source)
+            check_picklable("transform", transform)
         self._structure: Structure | None = None
         self._epoch = 0
         self._current: _Epoch | None = None
         self._totals = {"fresh": 0, "delivered": 0, "batches": 0, "wait_s": 0.0, "active_s": 0.0}
+        self._worker_counters: list[dict[str, float]] = []
 
     def _check_device(self, device: Any) -> Any:
         if device is None and not self.pin_memory:
@@ -163,6 +184,23 @@ class EchoLoader:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"device: {device} needs CUDA, and torch.cuda.is_available() is False")
         return device
+
+    @staticmethod
+    def _check_start_method(method: str | None) -> str:
+        import multiprocessing
+
+        if method is None:
+            return default_start_method()
+        if method == "fork":
+            raise ValueError(
+                "start_method: 'fork' is unsafe in a process that runs native threads (the buffer's "
+                "assembler); use 'forkserver' or 'spawn'"
+            )
+        if method not in multiprocessing.get_all_start_methods():
+            raise ValueError(
+                f"start_method: expected one of {multiprocessing.get_all_start_methods()}, got {method!r}"
+            )
+        return method
 
     # ---- iteration ----
 
@@ -201,12 +239,15 @@ class EchoLoader:
             echo_factor_achieved: delivered / fresh;
             upstream_examples_per_s: fresh examples per second of iteration;
             consumer_wait_fraction: share of iteration time spent waiting in next();
-            batches, epoch.
+            batches, epoch;
+            workers: for the current (or last) epoch, per producer thread or
+            process: examples produced and seconds busy reading and transforming.
         """
         totals = dict(self._totals)
         if self._current is not None:
             for key, value in self._current.counters().items():
                 totals[key] += value
+            self._worker_counters = self._current.worker_counters()
         active = totals["active_s"]
         return {
             "fresh": totals["fresh"],
@@ -216,11 +257,13 @@ class EchoLoader:
             "upstream_examples_per_s": totals["fresh"] / active if active > 0 else 0.0,
             "consumer_wait_fraction": totals["wait_s"] / active if active > 0 else 0.0,
             "epoch": max(0, self._epoch - 1),
+            "workers": self._worker_counters,
         }
 
-    def _epoch_finished(self, counters: dict[str, float]) -> None:
+    def _epoch_finished(self, counters: dict[str, float], workers: list[dict[str, float]]) -> None:
         for key, value in counters.items():
             self._totals[key] += value
+        self._worker_counters = workers
 
     def __enter__(self) -> EchoLoader:
         return self
@@ -275,16 +318,27 @@ class _Epoch:
             loader._structure = Structure.infer(first)
         structure = loader._structure
         self._echo_buffer = self._make_echo_buffer(structure)
-        self._producers = Producers(
-            self._echo_buffer, structure, loader.transform, loader.workers, self._failure, self._abort
-        )
-        if first is not _NOTHING:
-            self._producers.put_first(first)
-        if _is_map_style(loader.source):
-            order = epoch_order(len(loader.source), loader.shuffle, np.random.default_rng(self._seeds[0]), start)
-            self._producers.start_map(loader.source, order)
+        map_style = _is_map_style(loader.source)
+        if loader.worker_type == "process":
+            if first is not _NOTHING and map_style:
+                self._echo_buffer._put_values(structure.flatten(first))
+            length = len(loader.source) if map_style else 0
+            self._producers = ProcessProducers(
+                self._echo_buffer, structure, self._source_for_workers, loader.transform, loader.workers,
+                loader.start_method, map_style, (length, loader.shuffle, self._seeds[0], start),
+                self._seeds[1], self._failure, self._abort,
+            )
         else:
-            self._producers.start_iterable(self._iterator)
+            self._producers = Producers(
+                self._echo_buffer, structure, loader.transform, loader.workers, self._failure, self._abort
+            )
+            if first is not _NOTHING:
+                self._producers.put_first(first)
+            if map_style:
+                order = epoch_order(len(loader.source), loader.shuffle, np.random.default_rng(self._seeds[0]), start)
+                self._producers.start_map(loader.source, order)
+            else:
+                self._producers.start_iterable(self._iterator)
         upstream = self._echo_buffer._next_arrays
         if loader.echo_at == "batch":
             echo = None if loader.echo_factor == "auto" else float(loader.echo_factor)
@@ -307,6 +361,8 @@ class _Epoch:
         Returns the example (or _NOTHING) and the map-style position to go on from.
         """
         loader = self._loader
+        # Worker processes get the source as it is before the parent reads from it.
+        self._source_for_workers = _Pickled(loader.source) if loader.worker_type == "process" else None
         self._iterator = None if _is_map_style(loader.source) else iter(loader.source)
         if loader._structure is not None:
             return _NOTHING, 0
@@ -340,6 +396,7 @@ class _Epoch:
             # Batch echoing: batches flow from the first one on; the example
             # shuffle behind them still grows to its capacity.
             initial=None if per_example else loader.batch_size,
+            _shared=loader.worker_type == "process",
         )
         if loader.augment is None:
             self._pin(buffer)
@@ -387,6 +444,9 @@ class _Epoch:
                 batch = self._next_tree()
             else:
                 batch = self._next_on_device()
+        except KeyboardInterrupt:
+            self.close()  # Ctrl-C stops the epoch's threads and worker processes
+            raise
         finally:
             self._wait_s += time.perf_counter() - start
         self._batches += 1
@@ -443,6 +503,9 @@ class _Epoch:
 
     # ---- shutting down ----
 
+    def worker_counters(self) -> list[dict[str, float]]:
+        return self._producers.counters() if self._producers is not None else []
+
     def counters(self) -> dict[str, float]:
         fresh = self._echo_buffer.stats()["fresh"] if self._echo_buffer is not None else 0
         return {
@@ -465,11 +528,11 @@ class _Epoch:
     def _finish(self) -> None:
         if not self._closed:
             self._closed = True
-            self._loader._epoch_finished(self.counters())
-            if self._loader._current is self:
-                self._loader._current = None
             self._abort()
             self._join()
+            self._loader._epoch_finished(self.counters(), self.worker_counters())
+            if self._loader._current is self:
+                self._loader._current = None
 
     def close(self) -> None:
         """Stops this epoch's threads (idempotent)."""
@@ -484,3 +547,18 @@ class _Epoch:
 
 
 _NOTHING = object()
+
+
+class _Pickled:
+    """A source pickled once, so that every worker gets the same bytes (and the
+    parent's later reads from it do not leak into the workers' copies)."""
+
+    def __init__(self, value: Any) -> None:
+        import pickle
+
+        self._bytes = pickle.dumps(value)
+
+    def __reduce__(self) -> tuple:
+        import pickle
+
+        return pickle.loads, (self._bytes,)

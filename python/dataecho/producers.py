@@ -76,7 +76,7 @@ class Producers:
         self._running = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self.started_at = time.perf_counter()
+        self._counters: dict[int, list] = {}  # thread id -> [produced, busy seconds]
 
     # ---- starting ----
 
@@ -90,7 +90,8 @@ class Producers:
                     index = next(order, None)
                 if index is None:
                     return
-                self._put(source[index])
+                start = time.perf_counter()
+                self._put(source[index], start)
 
         self._spawn([work] * self._workers)
 
@@ -99,10 +100,12 @@ class Producers:
         if self._transform is None:
 
             def read() -> None:
+                start = time.perf_counter()
                 for example in iterator:
                     if self._stop.is_set():
                         return
-                    self._put(example)
+                    self._put(example, start)
+                    start = time.perf_counter()
 
             self._spawn([read])
             return
@@ -125,7 +128,7 @@ class Producers:
                     continue
                 if example is _END:
                     return
-                self._put(example)
+                self._put(example, time.perf_counter())
 
         self._spawn([read_and_hand_off] + [work] * self._workers)
 
@@ -146,6 +149,10 @@ class Producers:
 
     def alive(self) -> int:
         return sum(t.is_alive() for t in self._threads)
+
+    def counters(self) -> list[dict[str, float]]:
+        """Per thread: examples produced and seconds busy reading and transforming."""
+        return [{"produced": n, "busy_s": busy} for n, busy in self._counters.values()]
 
     # ---- internals ----
 
@@ -173,10 +180,15 @@ class Producers:
         if last and not self._stop.is_set():
             self._buffer.close()
 
-    def _put(self, example: Any) -> None:
+    def _put(self, example: Any, started: float) -> None:
+        """Transforms and puts one example; `started` is when reading it began."""
         if self._transform is not None:
             example = self._transform(example)
-        self._buffer._put_values(self._structure.flatten(example))
+        leaves = self._structure.flatten(example)
+        counter = self._counters.setdefault(threading.get_ident(), [0, 0.0])
+        counter[1] += time.perf_counter() - started
+        self._buffer._put_values(leaves)
+        counter[0] += 1
 
     def _offer(self, handoff: queue.Queue, item: Any) -> bool:
         while not self._stop.is_set():

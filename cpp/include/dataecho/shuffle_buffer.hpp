@@ -165,10 +165,10 @@ class ShuffleBuffer {
     if (shared_) shared_->unlink();
   }
 
-  // Positions [0, end) of a map-style order, to be claimed by producers.
-  void set_index_range(std::uint64_t end) noexcept {
+  // Positions [begin, end) of a map-style order, to be claimed by producers.
+  void set_index_range(std::uint64_t begin, std::uint64_t end) noexcept {
     // relaxed: set before any producer starts (process creation orders it).
-    region_.header->next_index.store(0, std::memory_order_relaxed);
+    region_.header->next_index.store(begin, std::memory_order_relaxed);
     region_.header->index_end.store(end, std::memory_order_relaxed);
   }
 

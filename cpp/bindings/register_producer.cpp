@@ -1,0 +1,68 @@
+// Binds dataecho::Producer over a shared region as _core.Producer: what a worker
+// process uses to put examples straight into the slots of its parent's buffer.
+// Type conversion, GIL policy and lifetimes only.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "blocking.hpp"
+#include "dataecho/producer.hpp"
+#include "dataecho/shared_memory.hpp"
+#include "fields.hpp"
+
+namespace dataecho::py_binding {
+
+namespace {
+
+class PyProducer {
+ public:
+  PyProducer(const std::string& region, const std::vector<FieldDecl>& fields)
+      : specs_(field_specs(fields)), memory_(SharedMemory::attach(region)) {
+    ExampleLayout layout(field_bytes(specs_), 1);
+    RegionView view;
+    if (!RegionView::attach(memory_.data(), memory_.size(), layout, view))
+      throw py::value_error("region: " + region + " is not a dataecho buffer with these fields");
+    producer_.emplace(std::move(layout), view);
+  }
+
+  // `arrays` is borrowed (see blocking.hpp): the caller's list keeps it alive.
+  int put(py::handle arrays, std::optional<double> timeout_s) {
+    const auto pointers = field_pointers(specs_, arrays, std::nullopt);
+    return static_cast<int>(call_blocking([&](Deadline d) { return producer_->put(pointers.data(), d); }, timeout_s));
+  }
+
+  std::pair<int, std::size_t> put_many(py::handle arrays, std::size_t n, std::optional<double> timeout_s) {
+    const auto pointers = field_pointers(specs_, arrays, n);
+    std::size_t done = 0;
+    const Status status =
+        call_blocking([&](Deadline d) { return producer_->put_many(pointers.data(), n, done, d); }, timeout_s);
+    return {static_cast<int>(status), done};
+  }
+
+  Producer& producer() { return *producer_; }
+
+ private:
+  std::vector<FieldSpec> specs_;
+  SharedMemory memory_;  // the mapping; outlives producer_, which points into it
+  std::optional<Producer> producer_;
+};
+
+}  // namespace
+
+void register_producer(py::module_& m) {
+  py::class_<PyProducer>(m, "Producer", "Puts examples into a buffer's shared region from another process.")
+      .def(py::init<const std::string&, const std::vector<FieldDecl>&>(), py::arg("region"), py::arg("fields"))
+      .def("put", &PyProducer::put, py::arg("arrays"), py::arg("timeout_s"))
+      .def("put_many", &PyProducer::put_many, py::arg("arrays"), py::arg("rows"), py::arg("timeout_s"))
+      .def("claim_index", [](PyProducer& p) { return p.producer().claim_index(); })
+      .def("record", [](PyProducer& p, std::size_t worker, std::uint64_t produced, std::uint64_t busy_ns) {
+        p.producer().record(worker, produced, busy_ns);
+      }, py::arg("worker"), py::arg("produced"), py::arg("busy_ns"))
+      .def_property_readonly("closed", [](PyProducer& p) { return p.producer().closed(); });
+}
+
+}  // namespace dataecho::py_binding

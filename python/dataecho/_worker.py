@@ -1,0 +1,191 @@
+"""The entry point of a worker process (``worker_type="process"``).
+
+A worker maps its parent's buffer region, reads the source, runs ``transform``,
+and copies each example straight into a free slot of the parent's buffer: an
+example's bytes are written once here and gathered once into a batch there.
+It imports only NumPy and dataecho's own small modules; torch and the rest of
+the user's world come in only if unpickling the source or transform needs them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _core
+from .fields import Field, to_field_array
+from .structure import Structure
+
+_OK, _CLOSED = 0, 1
+_REPORT_EVERY_S = 0.1
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What ``dataecho.get_worker_info()`` returns inside a worker process.
+
+    Attributes:
+        id: this worker's index, in ``range(num_workers)``.
+        num_workers: worker processes of the loader.
+        seed: a seed distinct per worker and epoch, for the worker's own randomness.
+    """
+
+    id: int
+    num_workers: int
+    seed: int
+
+
+_info: WorkerInfo | None = None
+
+
+def get_worker_info() -> WorkerInfo | None:
+    """In a worker process, the worker's id, count and seed; None elsewhere.
+
+    An iterable source that runs in worker processes is iterated by every
+    worker: use this to read a different shard in each, as with torch's
+    ``get_worker_info()``::
+
+        def __iter__(self):
+            info = dataecho.get_worker_info()
+            start, step = (0, 1) if info is None else (info.id, info.num_workers)
+            for i in range(start, len(self.files), step):
+                yield load(self.files[i])
+    """
+    return _info
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker needs, pickled to it once at start."""
+
+    region: str
+    fields: list[Field]
+    structure: Structure
+    source: Any
+    transform: Any
+    worker_id: int
+    num_workers: int
+    seed: int
+    map_style: bool
+    length: int
+    shuffle: bool
+    order_seed: int
+
+
+def main(spec: WorkerSpec, conn: Any) -> None:
+    """Runs one worker until the source is exhausted or the parent closes the buffer."""
+    global _info
+    # Ctrl-C reaches the whole process group; the parent decides, and stops us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()  # the loader, or the forkserver that outlives it only briefly
+    _die_with_parent()
+    if os.getppid() != parent:
+        return  # the parent died before the death signal was armed
+    _info = WorkerInfo(spec.worker_id, spec.num_workers, spec.seed)
+    np.random.seed(spec.seed % (1 << 32))
+    try:
+        producer = _core.Producer(spec.region, [(f.shape, f.dtype) for f in spec.fields])
+    except BaseException as error:
+        _send(conn, ("error", spec.worker_id, error, traceback.format_exc()))
+        return
+    _send(conn, ("ready", spec.worker_id))
+    meter = _Meter(producer, spec.worker_id)
+    orphaned = lambda: os.getppid() != parent  # noqa: E731
+    try:
+        if spec.map_style:
+            order = (
+                np.random.default_rng(spec.order_seed).permutation(spec.length)
+                if spec.shuffle
+                else np.arange(spec.length)
+            )
+            while (position := producer.claim_index()) >= 0:
+                start = time.perf_counter()
+                example = spec.source[int(order[position])]
+                meter.busy(time.perf_counter() - start)
+                if not _produce(spec, producer, meter, orphaned, example):
+                    break
+        else:
+            it = iter(spec.source)
+            while True:
+                start = time.perf_counter()
+                example = next(it, _END)
+                meter.busy(time.perf_counter() - start)
+                if example is _END or not _produce(spec, producer, meter, orphaned, example):
+                    break
+        meter.flush()
+        _send(conn, ("done", spec.worker_id))
+    except BaseException as error:  # reported to the parent, which raises it
+        meter.flush()
+        _send(conn, ("error", spec.worker_id, error, traceback.format_exc()))
+
+
+_END = object()
+
+
+def _produce(spec: WorkerSpec, producer: Any, meter: _Meter, orphaned: Any, example: Any) -> bool:
+    """Transforms and puts one example; False once the parent closed the buffer."""
+    start = time.perf_counter()
+    if spec.transform is not None:
+        example = spec.transform(example)
+    leaves = spec.structure.flatten(example)
+    arrays = [to_field_array(v, f, None, "worker put()") for v, f in zip(leaves, spec.fields)]
+    meter.busy(time.perf_counter() - start)
+    while True:
+        status = producer.put(arrays, 1.0)
+        if status == _OK:
+            meter.produced()
+            return True
+        if status == _CLOSED or orphaned():
+            return False
+
+
+class _Meter:
+    """Per-worker counters, published to the shared region every ~0.1 s."""
+
+    def __init__(self, producer: Any, worker: int) -> None:
+        self._producer, self._worker = producer, worker
+        self._count, self._busy, self._last = 0, 0.0, time.perf_counter()
+
+    def busy(self, seconds: float) -> None:
+        self._busy += seconds
+
+    def produced(self) -> None:
+        self._count += 1
+        if time.perf_counter() - self._last > _REPORT_EVERY_S:
+            self.flush()
+
+    def flush(self) -> None:
+        self._producer.record(self._worker, self._count, int(self._busy * 1e9))
+        self._count, self._busy, self._last = 0, 0.0, time.perf_counter()
+
+
+def _send(conn: Any, message: tuple) -> None:
+    try:
+        conn.send(message)
+    except Exception:
+        # The exception itself may not pickle: send what can be shown.
+        if message[0] == "error":
+            _, worker, error, text = message
+            conn.send(("error", worker, RuntimeError(f"{type(error).__name__}: {error}"), text))
+        else:
+            raise
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the parent dies, so no worker outlives it."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

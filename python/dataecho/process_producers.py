@@ -1,0 +1,215 @@
+"""Producer processes (``worker_type="process"``): CPU-bound Python upstream on
+every core, writing straight into the echo buffer's shared-memory slots.
+
+The parent keeps the assembler, the echo and batch stages and the consumer. A
+monitor thread watches every worker's pipe and process sentinel: it unlinks the
+shared region's name once all workers have mapped it, closes the buffer when all
+are done, and turns a worker's exception or death into the consumer's error
+within a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import signal
+import threading
+import time
+from multiprocessing.connection import wait
+from typing import Any, Callable
+
+from . import _worker
+from .buffer import ShuffleBuffer
+from .producers import Failure
+from .structure import Structure
+
+__all__ = ["ProcessProducers", "check_picklable", "default_start_method"]
+
+_POLL_S = 0.05
+_JOIN_S = 2.0
+
+
+def default_start_method() -> str:
+    """forkserver where it exists (fast starts, no fork of a threaded parent), else spawn."""
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+def check_picklable(name: str, value: Any) -> None:
+    """Raises a TypeError naming ``name`` if ``value`` cannot be sent to a worker process."""
+    try:
+        pickle.dumps(value)
+    except Exception as exc:  # pickling can fail with many exception types
+        raise TypeError(
+            f"{name}: worker_type='process' sends it to worker processes, but it cannot be pickled "
+            f"({type(exc).__name__}: {exc}); define it at module level (not a lambda or a local "
+            f"function), or use worker_type='thread'"
+        ) from None
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a worker process, as text."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.text}"""'
+
+
+class ProcessProducers:
+    """The worker processes of one epoch.
+
+    Args:
+        buffer: the echo buffer, created with a shared region.
+        structure, fields: the example structure and the buffer's fields.
+        source, transform: sent to each worker.
+        workers: processes.
+        start_method: multiprocessing start method.
+        map_style: ``source`` is indexed; else iterated by every worker.
+        order: (length, shuffle, order seed, first position) for map-style sources.
+        seed: base for each worker's seed.
+        failure, on_failure: where an error goes, and what stops the pipeline.
+    """
+
+    def __init__(
+        self,
+        buffer: ShuffleBuffer,
+        structure: Structure,
+        source: Any,
+        transform: Callable[[Any], Any] | None,
+        workers: int,
+        start_method: str,
+        map_style: bool,
+        order: tuple[int, bool, int, int],
+        seed: int,
+        failure: Failure,
+        on_failure: Callable[[], None],
+    ) -> None:
+        self._buffer = buffer
+        self._failure = failure
+        self._on_failure = on_failure
+        self._stop = threading.Event()
+        self.workers = workers
+        length, shuffle, order_seed, begin = order
+        if map_style:
+            buffer._core.set_index_range(begin, length)
+        context = multiprocessing.get_context(start_method)
+        if start_method == "forkserver":
+            context.set_forkserver_preload(["dataecho._worker"])
+        self._processes = []
+        self._pipes = []
+        for worker in range(workers):
+            spec = _worker.WorkerSpec(
+                region=buffer._core.region_name,
+                fields=buffer.fields,
+                structure=structure,
+                source=source,
+                transform=transform,
+                worker_id=worker,
+                num_workers=workers,
+                seed=(seed + 7919 * (worker + 1)) % (1 << 63),
+                map_style=map_style,
+                length=length,
+                shuffle=shuffle,
+                order_seed=order_seed,
+            )
+            receiver, sender = context.Pipe(duplex=False)
+            process = context.Process(
+                target=_worker.main, args=(spec, sender), name=f"dataecho-worker-{worker}", daemon=True
+            )
+            process.start()
+            sender.close()  # the child holds the only writer: EOF means it is gone
+            self._processes.append(process)
+            self._pipes.append(receiver)
+        self._monitor = threading.Thread(target=self._watch, name="dataecho-monitor", daemon=True)
+        self._monitor.start()
+
+    # ---- lifecycle ----
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def join(self, timeout_s: float = _JOIN_S) -> None:
+        """Waits for the workers (the buffer must be closed or aborted first), then
+        terminates and kills any that linger. No child process is left."""
+        deadline = time.monotonic() + timeout_s
+        for process in self._processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in self._processes:
+            if process.is_alive():
+                process.terminate()
+        for process in self._processes:
+            process.join(0.5)
+            if process.is_alive():
+                process.kill()
+                process.join(0.5)
+        self._stop.set()
+        self._monitor.join(timeout_s)
+        self._buffer._core.unlink_region()
+        for pipe in self._pipes:
+            pipe.close()
+
+    def alive(self) -> int:
+        return sum(p.is_alive() for p in self._processes)
+
+    def counters(self) -> list[dict[str, float]]:
+        """Per worker: examples produced and seconds busy reading and transforming."""
+        return [
+            {"produced": produced, "busy_s": busy_ns * 1e-9}
+            for produced, busy_ns in self._buffer._core.worker_counters(self.workers)
+        ]
+
+    # ---- the monitor ----
+
+    def _watch(self) -> None:
+        ready: set[int] = set()
+        done: set[int] = set()
+        pipes = {pipe: i for i, pipe in enumerate(self._pipes)}
+        sentinels = {p.sentinel: i for i, p in enumerate(self._processes)}
+        while not self._stop.is_set():
+            for obj in wait(list(pipes) + list(sentinels), timeout=_POLL_S):
+                if obj in pipes:
+                    self._receive(obj, pipes, ready, done)
+                elif obj in sentinels:
+                    self._exited(sentinels.pop(obj), pipes, ready, done)
+            if len(ready) == self.workers:
+                self._buffer._core.unlink_region()  # all mapped: nothing left in /dev/shm
+            if len(done) == self.workers:
+                self._buffer.close()  # every example is committed: drain and end
+                return
+            if self._failure.error is not None:
+                return
+
+    def _receive(self, pipe: Any, pipes: dict, ready: set[int], done: set[int]) -> None:
+        try:
+            message = pipe.recv()
+        except (EOFError, OSError):
+            pipes.pop(pipe)  # the worker exited; its sentinel says how
+            return
+        kind, worker = message[0], message[1]
+        if kind == "ready":
+            ready.add(worker)
+        elif kind == "done":
+            done.add(worker)
+        elif kind == "error":
+            error, text = message[2], message[3]
+            error.__cause__ = RemoteTraceback(text)
+            self._fail(error)
+
+    def _exited(self, worker: int, pipes: dict, ready: set[int], done: set[int]) -> None:
+        process = self._processes[worker]
+        process.join(0.1)
+        # A message still in the pipe (an exception, "done") has the first word.
+        pipe = self._pipes[worker]
+        while pipe in pipes and pipe.poll(0):
+            self._receive(pipe, pipes, ready, done)
+        code = process.exitcode
+        if worker in done or code == 0 or self._stop.is_set() or self._failure.error is not None:
+            return
+        how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited with {code}"
+        self._fail(RuntimeError(f"dataecho worker {worker} (pid {process.pid}) {how}; the epoch is stopped"))
+
+    def _fail(self, error: BaseException) -> None:
+        if self._failure.set(error):
+            self._on_failure()

@@ -1,0 +1,204 @@
+"""worker_type="process": worker processes write into the echo buffer's shared
+slots; errors, killed workers and Ctrl-C end the epoch cleanly, and nothing
+(child process, shared-memory segment) is left behind."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import workloads
+
+import dataecho
+
+TESTS = str(Path(__file__).parent)
+
+
+def shm_segments():
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("dataecho-")) if os.path.isdir("/dev/shm") else []
+
+
+def descendants():
+    """Live descendants of this process from the process table (zombies excluded),
+    as {pid: command line}, without multiprocessing's own helpers (the forkserver
+    and the resource tracker live until the interpreter exits, by design)."""
+    parent, cmdline = {}, {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    command = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                parent[int(entry)] = int(fields[1])
+                cmdline[int(entry)] = command
+    found, frontier = {}, [os.getpid()]
+    while frontier:
+        pid = frontier.pop()
+        for child, ppid in parent.items():
+            if ppid == pid and child not in found:
+                found[child] = cmdline[child]
+                frontier.append(child)
+    helpers = {
+        p for p, c in found.items() if parent[p] == os.getpid() and ("forkserver" in c or "resource_tracker" in c)
+    }
+    return {p: c for p, c in found.items() if p not in helpers}
+
+
+def dataecho_workers():
+    return [p for p in multiprocessing.active_children() if p.name.startswith("dataecho-worker")] or list(
+        descendants()
+    )
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind():
+    before = set(shm_segments())
+    yield
+    deadline = time.monotonic() + 3
+    while (dataecho_workers() or set(shm_segments()) - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not dataecho_workers(), f"a worker process outlived its epoch: {descendants()}"
+    assert set(shm_segments()) <= before, "a shared-memory segment was left in /dev/shm"
+
+
+def ids(batches):
+    return Counter(np.concatenate([b["id"] for b in batches]).tolist())
+
+
+def test_map_style_every_example_echoed_exactly(seed):
+    loader = dataecho.EchoLoader(
+        workloads.Indexed(3000), batch_size=64, echo_factor=2, workers=2, worker_type="process", seed=seed
+    )
+    batches = list(loader)
+    seen = ids(batches)
+    assert sorted(seen) == list(range(3000)) and set(seen.values()) == {2}
+    for b in batches:
+        np.testing.assert_array_equal(b["x"], np.arange(8, dtype=np.uint8) + (b["id"] % 200)[:, None].astype(np.uint8))
+    stats = loader.stats()
+    workers = stats["workers"]
+    assert len(workers) == 2 and all(w["produced"] > 0 and w["busy_s"] >= 0 for w in workers)
+    # The parent reads one example to learn the structure; the workers read the rest.
+    assert sum(w["produced"] for w in workers) + 1 == stats["fresh"] == 3000
+    # A second epoch starts new workers and a new region.
+    assert sorted(ids(list(loader))) == list(range(3000))
+
+
+def test_iterable_shards_with_worker_info_and_transform_types(seed):
+    pytest.importorskip("torch")
+    loader = dataecho.EchoLoader(
+        workloads.Sharded(2000), batch_size=50, echo_factor=1, workers=2, worker_type="process",
+        transform=workloads.with_pid, seed=seed,
+    )
+    batches = list(loader)
+    seen = ids(batches)
+    assert sorted(seen) == list(range(2000)) and set(seen.values()) == {1}
+    worker_of = {i: w for b in batches for i, w in zip(b["id"].tolist(), b["worker"].tolist())}
+    assert all(worker_of[i] == i % 2 for i in worker_of), "each worker read its own shard"
+    pids = {p for b in batches for p in b["pid"].tolist()}
+    assert len(pids) == 2 and os.getpid() not in pids
+    assert all(np.array_equal(b["t"][:, 0], b["id"]) for b in batches)
+    assert dataecho.get_worker_info() is None
+
+
+def test_unpicklable_source_or_transform_fails_at_construction():
+    with pytest.raises(TypeError, match="source: worker_type='process'.*pickled"):
+        dataecho.EchoLoader((i for i in range(10)), worker_type="process")
+    with pytest.raises(TypeError, match="transform: worker_type='process'.*pickled"):
+        dataecho.EchoLoader(range(10), worker_type="process", transform=lambda x: x)
+    with pytest.raises(ValueError, match="start_method: 'fork' is unsafe"):
+        dataecho.EchoLoader(range(10), worker_type="process", start_method="fork")
+    with pytest.raises(ValueError, match="worker_type"):
+        dataecho.EchoLoader(range(10), worker_type="greenlet")
+
+
+def test_worker_exception_is_raised_with_the_workers_traceback(seed):
+    loader = dataecho.EchoLoader(
+        workloads.Indexed(5000, fail_at=1234), batch_size=32, echo_factor=1, workers=2,
+        worker_type="process", shuffle=False, seed=seed,
+    )
+    with pytest.raises(KeyError, match="record 1234 is corrupt") as info:
+        for _ in loader:
+            pass
+    remote = info.value.__cause__
+    assert "__getitem__" in str(remote) and "workloads.py" in str(remote)
+
+
+def test_a_killed_worker_is_reported_within_a_second(seed):
+    loader = dataecho.EchoLoader(
+        workloads.Indexed(100_000, delay_s=0.0005), batch_size=16, echo_factor=1, workers=2,
+        worker_type="process", seed=seed,
+    )
+    it = iter(loader)
+    next(it)
+    victim = next(iter(descendants()))
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=r"worker \d \(pid \d+\) was killed by SIGKILL"):
+        for _ in it:
+            pass
+    assert time.monotonic() - killed_at < 1.5
+
+
+def test_a_worker_that_kills_itself_mid_put_does_not_hang(seed):
+    loader = dataecho.EchoLoader(
+        workloads.Indexed(3000), batch_size=16, echo_factor=2, workers=2, worker_type="process",
+        transform=workloads.suicide_at_500, seed=seed,
+    )
+    with pytest.raises(RuntimeError, match="killed by SIGKILL"):
+        list(loader)
+
+
+def test_leaving_early_stops_the_workers(seed):
+    loader = dataecho.EchoLoader(
+        workloads.Indexed(100_000), batch_size=16, echo_factor=1, workers=2, worker_type="process", seed=seed
+    )
+    for i, _ in enumerate(loader):
+        if i == 3:
+            break
+    assert len(descendants()) == 2, "two worker processes run"
+    loader.close()
+    assert not descendants()
+
+
+def test_ctrl_c_in_the_parent_stops_the_workers():
+    script = textwrap.dedent(
+        f"""
+        import os, sys, time
+        sys.path.insert(0, {TESTS!r})
+        import dataecho, workloads
+        if __name__ == "__main__":
+            loader = dataecho.EchoLoader(workloads.Indexed(10**6, delay_s=0.05), batch_size=64, echo_factor=1,
+                                         workers=2, worker_type="process", seed=0)
+            it = iter(loader)
+            print("started", flush=True)
+            try:
+                next(it)
+            except KeyboardInterrupt:
+                print("interrupted", flush=True)
+            shm = [f for f in os.listdir("/dev/shm") if f.startswith("dataecho-")]
+            import multiprocessing
+            print("left", len([p for p in multiprocessing.active_children() if p.name.startswith("dataecho")]), len(shm), flush=True)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-u", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "started"
+        time.sleep(1.0)  # the workers are up and the parent waits for a batch
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert out.split() == ["interrupted", "left", "0", "0"], err
