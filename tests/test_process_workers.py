@@ -202,3 +202,11 @@ def test_ctrl_c_in_the_parent_stops_the_workers():
     finally:
         proc.kill()
     assert out.split() == ["interrupted", "left", "0", "0"], err
+
+
+def test_a_region_larger_than_dev_shm_is_a_clear_error():
+    free = os.statvfs("/dev/shm")
+    too_big = free.f_bavail * free.f_frsize + (64 << 20)
+    slots = too_big // (1 << 20) + 1
+    with pytest.raises(RuntimeError, match="cannot reserve .* in /dev/shm"):
+        dataecho.ShuffleBuffer(((1 << 20,), "uint8"), capacity=slots, batch_size=1, _shared=True)

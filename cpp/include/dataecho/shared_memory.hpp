@@ -36,12 +36,14 @@ class SharedMemory {
       const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
       if (fd < 0 && errno == EEXIST) continue;
       if (fd < 0) fail_errno("shm_open");
-      if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-        const int error = errno;
+      // Reserve the pages now: a sparse segment larger than /dev/shm's free space
+      // would map fine and then kill the process with SIGBUS on first touch.
+      const int error = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+      if (error != 0) {
         close(fd);
         shm_unlink(name.c_str());
         errno = error;
-        fail_errno("ftruncate");
+        fail_errno("cannot reserve " + std::to_string(bytes) + " bytes in /dev/shm (is it too small?)");
       }
       try {
         return SharedMemory(name, map(fd, bytes, name), /*owner=*/true);

@@ -1,0 +1,163 @@
+"""Process workers against torch's DataLoader, on the same dataset and transform.
+
+Two workloads, each measured in the same run for every contestant:
+
+1. CPU-bound: a pure-Python transform (a loop in the interpreter, so threads
+   are serialized by the GIL) over 12 KiB examples;
+2. data-bound: a cheap transform over 150 KiB examples, where moving bytes
+   dominates.
+
+Contestants: ``EchoLoader(worker_type="process", workers=2)`` at echo factor 1
+(and 2, where the loop gets twice the batches per fresh example), the same with
+``worker_type="thread"``, and ``torch.utils.data.DataLoader(num_workers=2,
+pin_memory=False, persistent_workers=True)`` with default collation. Rates are
+delivered examples per second in steady state: ``--warmup`` batches (worker
+start-up, buffer fill) are not timed. Higher is better.
+
+Targets on a 2-core machine: workload 1 at least DataLoader's rate; workload 2 at
+least 2x DataLoader's; echo 2 delivers close to 2x the echo-1 rate in workload 1;
+process workers about 2x thread workers in workload 1.
+
+Usage:
+    python bench/bench_workers.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+import dataecho
+
+
+class Records:
+    """Map-style dataset: example i is a row of a small pool plus a label."""
+
+    def __init__(self, n: int, nbytes: int, spin: int) -> None:
+        self.n, self.spin = n, spin
+        self.pool = np.random.default_rng(0).integers(0, 256, (16, nbytes), dtype=np.uint8)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        acc = 0
+        for k in range(self.spin):  # the pure-Python part of decoding
+            acc += k * k
+        return {"x": self.pool[i % 16], "y": acc % 7 + i}
+
+
+def measure(batches, warmup: int, count: int) -> float:
+    """Delivered examples per second over ``count`` batches after ``warmup``."""
+    it = iter(batches)
+    for _ in range(warmup):
+        next(it)
+    start, examples = time.perf_counter(), 0
+    for _ in range(count):
+        batch = next(it)
+        examples += len(batch["y"])
+    return examples / (time.perf_counter() - start)
+
+
+def run_dataecho(ds: Records, worker_type: str, echo: float, batch: int, warmup: int, count: int) -> float:
+    loader = dataecho.EchoLoader(
+        ds, batch_size=batch, echo_factor=echo, workers=2, worker_type=worker_type, shuffle_buffer=2048, seed=0
+    )
+    try:
+        return measure(loader, warmup, count)
+    finally:
+        loader.close()
+
+
+def run_dataloader(ds: Records, batch: int, warmup: int, count: int) -> float:
+    import torch.utils.data
+
+    loader = torch.utils.data.DataLoader(
+        ds, batch_size=batch, shuffle=True, num_workers=2, pin_memory=False, persistent_workers=True
+    )
+    rate = measure(loader, warmup, count)
+    del loader
+    return rate
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs both workloads for every contestant and prints one table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer batches (about 40 s in all)")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed batches first")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    count = 60 if args.quick else 200
+    batch = 64
+    workloads = {
+        "CPU-bound Python transform, 12 KiB": Records((args.warmup + count) * batch * 2, 12 * 1024, spin=4000),
+        "cheap transform, 150 KiB": Records((args.warmup + count) * batch * 2, 150 * 1024, spin=0),
+    }
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = None
+    print(
+        f"machine: {_cpu()}, {os.cpu_count()} CPUs; Python {platform.python_version()}, NumPy {np.__version__}, "
+        f"torch {torch_version or 'not installed'}, dataecho {dataecho.__version__}"
+    )
+    print(f"batch {batch}, 2 workers, {count} timed batches after {args.warmup}; delivered examples/s, higher is better\n")
+    rows = []
+    for name, ds in workloads.items():
+        contestants = {
+            "dataecho process, echo 1": lambda: run_dataecho(ds, "process", 1.0, batch, args.warmup, count),
+            "dataecho process, echo 2": lambda: run_dataecho(ds, "process", 2.0, batch, args.warmup, count),
+            "dataecho thread, echo 1": lambda: run_dataecho(ds, "thread", 1.0, batch, args.warmup, count),
+        }
+        if torch_version:
+            contestants["torch DataLoader(num_workers=2)"] = lambda: run_dataloader(ds, batch, args.warmup, count)
+        rates = {}
+        for label, fn in contestants.items():
+            print(f"running {name}: {label} ...", file=sys.stderr, flush=True)
+            rates[label] = fn()
+        rows.append({"workload": name, "rates": rates})
+    width = max(len(label) for row in rows for label in row["rates"])
+    for row in rows:
+        print(row["workload"])
+        base = row["rates"].get("torch DataLoader(num_workers=2)")
+        for label, rate in row["rates"].items():
+            ratio = f"  {rate / base:5.2f}x DataLoader" if base else ""
+            print(f"  {label:<{width}}  {rate:>10,.0f} ex/s{ratio}")
+    print("\ntargets:")
+    cpu, data = rows[0]["rates"], rows[1]["rates"]
+    dl = "torch DataLoader(num_workers=2)"
+    checks = [
+        ("process echo 1 >= DataLoader, CPU-bound", cpu["dataecho process, echo 1"] / cpu[dl] if dl in cpu else None, 1.0),
+        ("process echo 1 >= 2x DataLoader, 150 KiB", data["dataecho process, echo 1"] / data[dl] if dl in data else None, 2.0),
+        ("echo 2 delivers ~2x echo 1, CPU-bound", cpu["dataecho process, echo 2"] / cpu["dataecho process, echo 1"], 1.8),
+        ("process ~2x thread workers, CPU-bound", cpu["dataecho process, echo 1"] / cpu["dataecho thread, echo 1"], 1.6),
+    ]
+    for label, value, threshold in checks:
+        if value is None:
+            print(f"  [skipped] {label}: torch is not installed")
+        else:
+            print(f"  [{'met' if value >= threshold else 'NOT met'}] {label}: {value:.2f}x (target {threshold:g}x)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
