@@ -86,6 +86,82 @@ def run_dataloader(ds: Records, batch: int, warmup: int, count: int) -> float:
     return rate
 
 
+BATCH = 64
+DATALOADER = "torch DataLoader(num_workers=2)"
+
+
+def torch_version() -> str | None:
+    """torch's version, or None when it is not installed."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.__version__
+
+
+def run_workloads(count: int, warmup: int) -> list[dict]:
+    """Runs both workloads for every contestant (torch's DataLoader where torch is installed).
+
+    Args:
+        count: timed batches per contestant.
+        warmup: untimed batches before them.
+
+    Returns:
+        One dict per workload: ``workload`` and ``rates`` (contestant -> examples/s).
+    """
+    workloads = {
+        "CPU-bound Python transform, 12 KiB": Records((warmup + count) * BATCH * 2, 12 * 1024, spin=4000),
+        "cheap transform, 150 KiB": Records((warmup + count) * BATCH * 2, 150 * 1024, spin=0),
+    }
+    have_torch = torch_version() is not None
+    rows = []
+    for name, ds in workloads.items():
+        contestants = {
+            "dataecho process, echo 1": lambda: run_dataecho(ds, "process", 1.0, BATCH, warmup, count),
+            "dataecho process, echo 2": lambda: run_dataecho(ds, "process", 2.0, BATCH, warmup, count),
+            "dataecho thread, echo 1": lambda: run_dataecho(ds, "thread", 1.0, BATCH, warmup, count),
+        }
+        if have_torch:
+            contestants[DATALOADER] = lambda: run_dataloader(ds, BATCH, warmup, count)
+        rates = {}
+        for label, fn in contestants.items():
+            print(f"running {name}: {label} ...", file=sys.stderr, flush=True)
+            rates[label] = fn()
+        rows.append({"workload": name, "rates": rates})
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    """Prints the rows of ``run_workloads``: rate and ratio to DataLoader per contestant."""
+    width = max(len(label) for row in rows for label in row["rates"])
+    for row in rows:
+        print(row["workload"])
+        base = row["rates"].get(DATALOADER)
+        for label, rate in row["rates"].items():
+            ratio = f"  {rate / base:5.2f}x DataLoader" if base else ""
+            print(f"  {label:<{width}}  {rate:>10,.0f} ex/s{ratio}")
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """Checks the rows against the targets; ``met`` is None where torch is missing."""
+    cpu, data = rows[0]["rates"], rows[1]["rates"]
+    dl = DATALOADER
+    checks = [
+        ("process echo 1 >= DataLoader, CPU-bound", cpu["dataecho process, echo 1"] / cpu[dl] if dl in cpu else None, 1.0),
+        ("process echo 1 >= 2x DataLoader, 150 KiB", data["dataecho process, echo 1"] / data[dl] if dl in data else None, 2.0),
+        ("echo 2 delivers ~2x echo 1, CPU-bound", cpu["dataecho process, echo 2"] / cpu["dataecho process, echo 1"], 1.8),
+        ("process ~2x thread workers, CPU-bound", cpu["dataecho process, echo 1"] / cpu["dataecho thread, echo 1"], 1.6),
+    ]
+    return [
+        {
+            "target": label, "value": value, "threshold": threshold,
+            "shown": "torch is not installed" if value is None else f"{value:.2f}x (target {threshold:g}x)",
+            "met": None if value is None else value >= threshold,
+        }
+        for label, value, threshold in checks
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs both workloads for every contestant and prints one table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -94,57 +170,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     count = 60 if args.quick else 200
-    batch = 64
-    workloads = {
-        "CPU-bound Python transform, 12 KiB": Records((args.warmup + count) * batch * 2, 12 * 1024, spin=4000),
-        "cheap transform, 150 KiB": Records((args.warmup + count) * batch * 2, 150 * 1024, spin=0),
-    }
-    try:
-        import torch
-
-        torch_version = torch.__version__
-    except ImportError:
-        torch_version = None
     print(
         f"machine: {_cpu()}, {os.cpu_count()} CPUs; Python {platform.python_version()}, NumPy {np.__version__}, "
-        f"torch {torch_version or 'not installed'}, dataecho {dataecho.__version__}"
+        f"torch {torch_version() or 'not installed'}, dataecho {dataecho.__version__}"
     )
-    print(f"batch {batch}, 2 workers, {count} timed batches after {args.warmup}; delivered examples/s, higher is better\n")
-    rows = []
-    for name, ds in workloads.items():
-        contestants = {
-            "dataecho process, echo 1": lambda: run_dataecho(ds, "process", 1.0, batch, args.warmup, count),
-            "dataecho process, echo 2": lambda: run_dataecho(ds, "process", 2.0, batch, args.warmup, count),
-            "dataecho thread, echo 1": lambda: run_dataecho(ds, "thread", 1.0, batch, args.warmup, count),
-        }
-        if torch_version:
-            contestants["torch DataLoader(num_workers=2)"] = lambda: run_dataloader(ds, batch, args.warmup, count)
-        rates = {}
-        for label, fn in contestants.items():
-            print(f"running {name}: {label} ...", file=sys.stderr, flush=True)
-            rates[label] = fn()
-        rows.append({"workload": name, "rates": rates})
-    width = max(len(label) for row in rows for label in row["rates"])
-    for row in rows:
-        print(row["workload"])
-        base = row["rates"].get("torch DataLoader(num_workers=2)")
-        for label, rate in row["rates"].items():
-            ratio = f"  {rate / base:5.2f}x DataLoader" if base else ""
-            print(f"  {label:<{width}}  {rate:>10,.0f} ex/s{ratio}")
+    print(f"batch {BATCH}, 2 workers, {count} timed batches after {args.warmup}; delivered examples/s, higher is better\n")
+    rows = run_workloads(count, args.warmup)
+    print_table(rows)
     print("\ntargets:")
-    cpu, data = rows[0]["rates"], rows[1]["rates"]
-    dl = "torch DataLoader(num_workers=2)"
-    checks = [
-        ("process echo 1 >= DataLoader, CPU-bound", cpu["dataecho process, echo 1"] / cpu[dl] if dl in cpu else None, 1.0),
-        ("process echo 1 >= 2x DataLoader, 150 KiB", data["dataecho process, echo 1"] / data[dl] if dl in data else None, 2.0),
-        ("echo 2 delivers ~2x echo 1, CPU-bound", cpu["dataecho process, echo 2"] / cpu["dataecho process, echo 1"], 1.8),
-        ("process ~2x thread workers, CPU-bound", cpu["dataecho process, echo 1"] / cpu["dataecho thread, echo 1"], 1.6),
-    ]
-    for label, value, threshold in checks:
-        if value is None:
-            print(f"  [skipped] {label}: torch is not installed")
+    for c in targets(rows):
+        if c["met"] is None:
+            print(f"  [skipped] {c['target']}: {c['shown']}")
         else:
-            print(f"  [{'met' if value >= threshold else 'NOT met'}] {label}: {value:.2f}x (target {threshold:g}x)")
+            print(f"  [{'met' if c['met'] else 'NOT met'}] {c['target']}: {c['shown']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
