@@ -114,6 +114,7 @@ class ShuffleBuffer:
         self._names = [f.name for f in self._fields]
         self._closed = False
         self._pid = os.getpid()
+        self._forked = False  # set in a forked child by _forget_after_fork: no syscall per call
         self._consumer = threading.Lock()
         _live.add(self)
 
@@ -201,7 +202,7 @@ class ShuffleBuffer:
         """Ends the input: later puts raise BufferClosed, blocked ones are released,
         and iteration delivers what is left (echoes included), then stops. Idempotent."""
         self._closed = True
-        if os.getpid() == self._pid:
+        if not self._forked:
             self._core.close()
 
     # ---- consumer ----
@@ -247,7 +248,7 @@ class ShuffleBuffer:
         """Stops at once: blocked producers get BufferClosed, the consumer the end,
         and what is resident is dropped. For pipelines shutting down on an error."""
         self._closed = True
-        if os.getpid() == self._pid:
+        if not self._forked:
             self._core.stop()
 
     def stats(self) -> dict[str, Any]:
@@ -280,7 +281,7 @@ class ShuffleBuffer:
     # ---- internals ----
 
     def _check_process(self) -> None:
-        if os.getpid() != self._pid:
+        if self._forked:
             raise RuntimeError(
                 f"ShuffleBuffer was created in process {self._pid} and cannot be used in a forked "
                 f"child ({os.getpid()}); create the buffer in the process that uses it"
@@ -316,13 +317,14 @@ class ShuffleBuffer:
 def _forget_after_fork() -> None:
     # The child has no assembler thread: leak each core instead of joining it.
     for buffer in list(_live):
+        buffer._forked = True
         buffer._core.abandon_after_fork()
 
 
 def _stop_all() -> None:
     # At interpreter exit, release blocked producers and stop the assembler threads.
     for buffer in list(_live):
-        if buffer._pid == os.getpid():
+        if not buffer._forked:
             buffer._core.stop()
 
 
