@@ -24,7 +24,11 @@ def table(runs: list[Run], target: float) -> str:
             rows.append((run.config.name, f"> {last[0]:.0f} s (not reached)", f"{last[1]:,}", f"{last[2]:,}",
                          f"{run.final_accuracy:.3f}", "-"))
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    lines = [f"target: validation accuracy {target:.2f}; speed-up = baseline time / time (higher is better)", ""]
+    lines = [
+        f"target: validation accuracy {target:.2f} (mean of the last 3 evaluations, every 10 steps); "
+        f"speed-up = baseline time / time (higher is better)",
+        "",
+    ]
     lines.append("  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths))))
     for r in rows:
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
