@@ -456,21 +456,25 @@ class _Epoch:
         if self._closed or self._echo_buffer is None:
             self._failure.raise_if_set()
             raise StopIteration
+        try:
+            return self._next_from_stages()
+        except StopIteration:
+            # The end, or a stage failed: either way the epoch is over. Its
+            # threads and processes are stopped before the error reaches the loop.
+            self._finish()
+            self._failure.raise_if_set()
+            raise
+
+    def _next_from_stages(self) -> tuple[Structure, tuple[np.ndarray, ...]]:
         if self._final is None:
             # Augmented output: its buffer exists once the first result does.
             while not self._augment.ready.wait(0.05):
                 pass
-            self._failure.raise_if_set()
-            if self._augment.output is None:
+            if self._augment.output is None or self._failure.error is not None:
                 raise StopIteration
             self._final = self._augment.output._next_arrays
             self._final_structure = self._augment.out_structure
-        try:
-            arrays = self._final(None)
-        except StopIteration:
-            self._failure.raise_if_set()
-            self._finish()
-            raise
+        arrays = self._final(None)
         self._delivered += len(arrays[0])
         return self._final_structure, arrays
 

@@ -147,8 +147,10 @@ class ProcessProducers:
         self._stop.set()
         self._monitor.join(timeout_s)
         self._buffer._core.unlink_region()
-        for pipe in self._pipes:
-            pipe.close()
+        # Dropping the connections closes them. (Not close(): when a loader is
+        # collected in a reference cycle, a connection's own finalizer may have
+        # closed its descriptor already, and the number may be in use again.)
+        self._pipes.clear()
 
     def alive(self) -> int:
         return sum(p.is_alive() for p in self._processes)
