@@ -188,7 +188,7 @@ def test_ctrl_c_in_the_parent_stops_the_workers():
                 next(it)
             except KeyboardInterrupt:
                 print("interrupted", flush=True)
-            shm = [f for f in os.listdir("/dev/shm") if f.startswith("dataecho-")]
+            shm = [f for f in os.listdir("/dev/shm") if f.startswith(f"dataecho-{{os.getpid()}}-")]
             import multiprocessing
             print("left", len([p for p in multiprocessing.active_children() if p.name.startswith("dataecho")]), len(shm), flush=True)
         """
@@ -202,6 +202,38 @@ def test_ctrl_c_in_the_parent_stops_the_workers():
     finally:
         proc.kill()
     assert out.split() == ["interrupted", "left", "0", "0"], err
+    assert not [f for f in shm_segments() if f.startswith(f"dataecho-{proc.pid}-")], "the exited parent left a segment"
+
+
+@pytest.mark.parametrize("ending", ["return", "raise"])
+def test_exiting_before_the_workers_attach_leaves_nothing(ending):
+    # The region's name is removed once every worker has mapped it; an interpreter
+    # that exits before then (workers still starting) must remove it itself.
+    script = textwrap.dedent(
+        f"""
+        import sys, threading, time
+        sys.path.insert(0, {TESTS!r})
+        import dataecho, workloads
+        if __name__ == "__main__":
+            loader = dataecho.EchoLoader(workloads.Indexed(1000), batch_size=8, workers=2, worker_type="process")
+            it = iter(loader)
+            # A daemon thread holds the epoch: it is never collected at exit.
+            threading.Thread(target=lambda held: time.sleep(60), args=(it,), daemon=True).start()
+            print([p.pid for p in loader._current._producers._processes], flush=True)
+            if {ending!r} == "raise":
+                raise SystemExit(3)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == (3 if ending == "raise" else 0), proc.stderr
+    assert "Traceback" not in proc.stderr and "terminate called" not in proc.stderr, proc.stderr
+    workers = eval(proc.stdout.strip())
+    assert len(workers) == 2
+    deadline = time.monotonic() + 3
+    while any(os.path.exists(f"/proc/{pid}") for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in workers), "a worker outlived its parent"
+    assert not [f for f in shm_segments() if f.startswith(f"dataecho-{proc.pid}-")], "a segment was left"
 
 
 def test_a_region_larger_than_dev_shm_is_a_clear_error():

@@ -322,10 +322,12 @@ def _forget_after_fork() -> None:
 
 
 def _stop_all() -> None:
-    # At interpreter exit, release blocked producers and stop the assembler threads.
+    # At interpreter exit, release blocked producers, stop the assembler threads
+    # and remove any shared-memory name still linked (workers that never attached).
     for buffer in list(_live):
         if not buffer._forked:
             buffer._core.stop()
+            buffer._core.unlink_region()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)

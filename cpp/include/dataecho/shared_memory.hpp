@@ -69,20 +69,19 @@ class SharedMemory {
 
   // Removes the name if this process created it (idempotent); mappings stay valid.
   void unlink() noexcept {
-    if (!linked_) return;
-    linked_ = false;
-    shm_unlink(name_.c_str());
+    // acq_rel exchange: exactly one caller (the monitor thread or the owner) unlinks.
+    if (linked_.exchange(false, std::memory_order_acq_rel)) shm_unlink(name_.c_str());
   }
 
   SharedMemory(SharedMemory&& other) noexcept
-      : name_(std::move(other.name_)), memory_(std::move(other.memory_)), linked_(std::exchange(other.linked_, false)) {}
+      : name_(std::move(other.name_)), memory_(std::move(other.memory_)), linked_(other.linked_.exchange(false, std::memory_order_relaxed)) {}
   SharedMemory& operator=(SharedMemory&&) = delete;
   ~SharedMemory() = default;  // unmapping is the Block's job; unlinking is the creator's
 
   const std::string& name() const noexcept { return name_; }
   std::byte* data() const noexcept { return memory_.data(); }
   std::size_t size() const noexcept { return memory_.size(); }
-  bool linked() const noexcept { return linked_; }
+  bool linked() const noexcept { return linked_.load(std::memory_order_acquire); }
 
   // Hands the mapping over (the name is unlinked first if still linked).
   Block release_mapping() noexcept {
@@ -124,7 +123,7 @@ class SharedMemory {
 
   std::string name_;
   Block memory_;
-  bool linked_ = false;
+  std::atomic<bool> linked_{false};
 };
 
 }  // namespace dataecho
