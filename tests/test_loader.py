@@ -235,12 +235,26 @@ def test_errors_propagate_with_their_traceback_and_stop_every_thread(where, seed
 
 def test_leaving_an_epoch_early_stops_its_threads(seed):
     loader = dataecho.EchoLoader(Records(100_000), batch_size=32, echo_factor=2, workers=3, seed=seed)
-    for i, _ in enumerate(loader):
+    epoch = iter(loader)
+    for i, _ in enumerate(epoch):
         if i == 5:
             break
     assert dataecho_threads()
     loader.close()
     assert not dataecho_threads()
+
+
+def test_dropping_an_epoch_stops_its_threads(seed):
+    # Leaving a for loop drops its iterator, the epoch: nothing else would stop it.
+    loader = dataecho.EchoLoader(Records(100_000), batch_size=32, echo_factor=2, workers=3, seed=seed)
+    for i, _ in enumerate(loader):
+        if i == 5:
+            break
+    deadline = time.monotonic() + 3
+    while dataecho_threads() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not dataecho_threads()
+    assert loader.stats()["batches"] == 6
 
 
 def test_first_batch_comes_before_the_buffer_fills(seed):

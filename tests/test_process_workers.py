@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import workloads
+from processes import descendants
 
 import dataecho
 
@@ -25,36 +26,6 @@ TESTS = str(Path(__file__).parent)
 
 def shm_segments():
     return sorted(f for f in os.listdir("/dev/shm") if f.startswith("dataecho-")) if os.path.isdir("/dev/shm") else []
-
-
-def descendants():
-    """Live descendants of this process from the process table (zombies excluded),
-    as {pid: command line}, without multiprocessing's own helpers (the forkserver
-    and the resource tracker live until the interpreter exits, by design)."""
-    parent, cmdline = {}, {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    command = f.read().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if fields[0] != "Z":
-                parent[int(entry)] = int(fields[1])
-                cmdline[int(entry)] = command
-    found, frontier = {}, [os.getpid()]
-    while frontier:
-        pid = frontier.pop()
-        for child, ppid in parent.items():
-            if ppid == pid and child not in found:
-                found[child] = cmdline[child]
-                frontier.append(child)
-    helpers = {
-        p for p, c in found.items() if parent[p] == os.getpid() and ("forkserver" in c or "resource_tracker" in c)
-    }
-    return {p: c for p, c in found.items() if p not in helpers}
 
 
 def dataecho_workers():
@@ -165,11 +136,16 @@ def test_leaving_early_stops_the_workers(seed):
     loader = dataecho.EchoLoader(
         workloads.Indexed(100_000), batch_size=16, echo_factor=1, workers=2, worker_type="process", seed=seed
     )
-    for i, _ in enumerate(loader):
+    epoch = iter(loader)
+    for i, _ in enumerate(epoch):
         if i == 3:
             break
     assert len(descendants()) == 2, "two worker processes run"
     loader.close()
+    assert not descendants()
+    for i, _ in enumerate(loader):  # the loop drops the epoch when it leaves: that stops it too
+        if i == 3:
+            break
     assert not descendants()
 
 

@@ -30,10 +30,21 @@ def real(name: str, value: Any, minimum: float, maximum: float) -> float:
     """Returns ``value`` as a finite float in [minimum, maximum)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: expected a number, got {value!r}")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int (or Fraction) beyond float range
+        number = math.inf
     if not math.isfinite(number) or not minimum <= number < maximum:
         raise ValueError(f"{name}: expected a finite number in [{minimum:g}, {maximum:g}), got {value!r}")
     return number
+
+
+def choice(name: str, value: Any, options: tuple[str, ...]) -> str:
+    """Returns ``value``, a str that is one of ``options``."""
+    if not isinstance(value, str) or value not in options:
+        expected = " or ".join(repr(option) for option in options)
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+    return str(value)
 
 
 def flag(name: str, value: Any) -> bool:
@@ -63,7 +74,10 @@ def timeout(value: Any) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"timeout: expected None or seconds as a number, got {value!r}")
-    seconds = float(value)
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int (or Fraction) beyond float range
+        raise ValueError(f"timeout: expected None or seconds within float range, got {value!r}") from None
     if math.isnan(seconds) or seconds < 0:
         raise ValueError(f"timeout: expected None or a non-negative number of seconds, got {value!r}")
     return None if math.isinf(seconds) else seconds

@@ -66,12 +66,19 @@ class AugmentStage:
             thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
+        # Under the set-up lock: an output created before this is aborted here,
+        # and none is created after it (_create_output checks the flag).
+        with self._setup:
+            self._stop.set()
+            output = self.output
+        if output is not None:
+            output._abort()
         self.ready.set()
 
     def join(self, timeout_s: float) -> None:
         for thread in self._threads:
-            thread.join(timeout_s)
+            if thread is not threading.current_thread():  # an epoch collected by one of its own threads
+                thread.join(timeout_s)
 
     def _run(self) -> None:
         try:
@@ -103,6 +110,8 @@ class AugmentStage:
 
     def _create_output(self, first_result: Any) -> ShuffleBuffer:
         with self._setup:
+            if self._stop.is_set():
+                raise BufferClosed("the epoch was stopped")
             if self.output is None:
                 self.out_structure = Structure.infer(first_result)
                 self.output = self._make_output(self.out_structure)

@@ -189,14 +189,7 @@ class ShuffleBuffer:
         status, done = self._core.put_many(arrays, rows, _checks.timeout(timeout))
         if status == _OK:
             return
-        if status == _CLOSED:
-            exc: Exception = BufferClosed(
-                f"put_many(): the ShuffleBuffer is closed ({done} of {rows} examples put)"
-            )
-        else:
-            exc = TimeoutError(f"put_many(): timed out after {timeout} s ({done} of {rows} examples put)")
-        exc.examples_put = done  # type: ignore[attr-defined]
-        raise exc
+        raise _put_many_error(status, done, rows, timeout)
 
     def close(self) -> None:
         """Ends the input: later puts raise BufferClosed, blocked ones are released,
@@ -308,10 +301,27 @@ class ShuffleBuffer:
                     f"got {type(examples).__name__}"
                 )
             first = examples.get(self._names[0])
-        shape = np.shape(first) if first is not None else ()
+        try:
+            shape = np.shape(first) if first is not None else ()
+        except (TypeError, ValueError) as exc:  # ragged lists, say
+            raise TypeError(
+                f"put_many(): {self._fields[0].label()} could not be read as stacked arrays: {exc}"
+            ) from None
         if len(shape) < 1:
             raise ValueError("put_many(): expected stacked arrays with a leading axis of examples")
         return int(shape[0])
+
+
+def _put_many_error(status: int, done: int, rows: int, timeout: float | None) -> Exception:
+    # Built here, not in put_many(): an exception held in a local of the frame that
+    # raises it is a reference cycle (frame, exception, traceback), which would keep
+    # the buffer and its assembler thread alive until the cyclic GC runs.
+    if status == _CLOSED:
+        error: Exception = BufferClosed(f"put_many(): the ShuffleBuffer is closed ({done} of {rows} examples put)")
+    else:
+        error = TimeoutError(f"put_many(): timed out after {timeout} s ({done} of {rows} examples put)")
+    error.examples_put = done  # type: ignore[attr-defined]
+    return error
 
 
 def _forget_after_fork() -> None:

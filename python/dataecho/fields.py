@@ -2,20 +2,26 @@
 
 Casting rule (applied per field, before any copy):
 
-* NumPy arrays, NumPy scalars and other array-likes (a torch CPU tensor, say) are
-  accepted when ``numpy.can_cast(value.dtype, field_dtype, "safe")`` holds: no
-  loss of range or precision (``uint8`` into ``float32`` yes, ``float64`` into
-  ``float32`` no, byte order and alignment are free).
-* Python ``bool``/``int``/``float``/``complex`` values, and lists or tuples of
-  them, carry no dtype of their own (NumPy's NEP 50 calls them weak): they are
-  accepted when their *kind* fits (bool into any number, int into integer, float
-  or complex, float into float or complex, complex into complex) and, for
-  integer fields, when every value is in range (``OverflowError`` otherwise).
+* NumPy arrays, NumPy scalars and other array-likes (a torch CPU tensor, a list
+  holding NumPy values, say) are read by ``numpy.asarray`` and accepted when
+  ``numpy.can_cast(value.dtype, field_dtype, "safe")`` holds: no loss of range or
+  precision (``uint8`` into ``float32`` yes, ``float64`` into ``float32`` no,
+  byte order and alignment are free).
+* Python ``bool``/``int``/``float``/``complex`` values, and (nested) lists or
+  tuples holding only them, carry no dtype of their own (NumPy's NEP 50 calls
+  them weak): they are accepted when their *kind* fits (bool into any number,
+  int into integer, float or complex, float into float or complex, complex into
+  complex) and every value is in the field's range: an int within the integer
+  field's bounds (any size of int), a finite number still finite in a float or
+  complex field (rounding is fine). ``OverflowError`` otherwise.
 * The shape must match exactly; non-contiguous input is accepted and copied.
+* A subarray dtype such as ``("i4", (2,))`` declares its axes as trailing axes
+  of the field, as in NumPy: the field has shape ``(*shape, 2)`` and dtype ``i4``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import operator
@@ -26,10 +32,18 @@ import numpy as np
 
 __all__ = ["Field", "parse_fields", "to_field_array"]
 
-# Kinds a weak Python value may be written into, by the kind NumPy infers for it.
-_WEAK_KINDS = {"b": "biufc", "i": "iufc", "u": "iufc", "f": "fc", "c": "c"}
+# Kinds a weak Python value may be written into, by the kind of its values.
+_WEAK_KINDS = {"b": "biufc", "i": "iufc", "f": "fc", "c": "c"}
+# How a kind of Python value is named: its type, and the dtype NumPy reads it as.
+_KIND_NAMES = {"b": "bool (bool)", "i": "int (int64)", "f": "float (float64)", "c": "complex (complex128)"}
 _PY_SCALARS = (bool, int, float, complex)
+_SCALAR_KINDS = {bool: "b", int: "i", float: "f", complex: "c"}
+_SEQUENCES = (list, tuple)
+_SEQUENCE_TYPES = frozenset(_SEQUENCES)
+_PY_VALUES = (*_SEQUENCES, *_PY_SCALARS)
 _MAX_EXAMPLE_BYTES = 1 << 40
+# NumPy arrays have at most 64 dimensions (32 before NumPy 2); a batch adds one.
+_MAX_DIMS = (64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32) - 1
 
 
 @dataclass(frozen=True)
@@ -84,8 +98,16 @@ def _parse_one(name: str | None, spec: Any, where: str) -> Field:
         raise TypeError(f"{where}: {dtype_spec!r} is not a NumPy dtype ({exc})") from None
     if dtype.hasobject:
         raise TypeError(f"{where}: dtype {dtype} holds Python objects; expected a fixed-size dtype")
+    while dtype.subdtype is not None:  # ("i4", (2,)): NumPy's trailing axes of int32
+        dtype, inner = dtype.subdtype
+        shape = _parse_shape(shape + inner, where)
     if dtype.itemsize == 0:
         raise ValueError(f"{where}: dtype {dtype} has no size; give one (for example 'S16')")
+    if len(shape) > _MAX_DIMS:
+        raise ValueError(
+            f"{where}: expected at most {_MAX_DIMS} dimensions (a batch adds one to NumPy's limit of "
+            f"{_MAX_DIMS + 1}), got {len(shape)}"
+        )
     field = Field(name, shape, dtype)
     if field.nbytes > _MAX_EXAMPLE_BYTES:
         raise ValueError(f"{where}: {field.nbytes} bytes per example is more than the limit of 1 TiB")
@@ -126,16 +148,16 @@ def to_field_array(value: Any, field: Field, rows: int | None, where: str) -> np
     Raises:
         TypeError: the value cannot be cast safely to the field's dtype.
         ValueError: wrong shape.
-        OverflowError: a Python integer out of the field's range.
+        OverflowError: a Python number out of the field's range.
     """
     shape = field.shape if rows is None else (rows, *field.shape)
     if type(value) is np.ndarray:
         array = value
-        weak = False
     else:
-        weak = isinstance(value, _PY_SCALARS) or (
-            isinstance(value, (list, tuple)) and not isinstance(value, np.ndarray)
-        )
+        if isinstance(value, _PY_VALUES):
+            numbers = _python_numbers(value)
+            if numbers is not None:
+                return _from_python(value, *numbers, field, shape, where)
         try:
             array = np.asarray(value)
         except (TypeError, ValueError, OverflowError) as exc:
@@ -144,7 +166,7 @@ def to_field_array(value: Any, field: Field, rows: int | None, where: str) -> np
             raise TypeError(
                 f"{where}: {field.label()} expected {field.dtype} values, got {_describe(value)}"
             )
-    if array.dtype != field.dtype and not _castable(array, field, weak, where):
+    if array.dtype != field.dtype and not np.can_cast(array.dtype, field.dtype, casting="safe"):
         raise TypeError(
             f"{where}: {field.label()} expected dtype {field.dtype}, got {array.dtype}, which "
             f"cannot be cast safely (see dataecho.fields for the casting rule)"
@@ -156,21 +178,105 @@ def to_field_array(value: Any, field: Field, rows: int | None, where: str) -> np
     return np.ascontiguousarray(array, dtype=field.dtype)
 
 
-def _castable(array: np.ndarray, field: Field, weak: bool, where: str) -> bool:
+def _python_numbers(value: Any) -> tuple[tuple[int, ...], list, str] | None:
+    """(shape, values in C order, kind) of a Python number or of (nested) lists and
+    tuples of them; None when anything else is inside (a NumPy value, an array, a
+    string, ...) or the nesting is ragged: NumPy's reading then decides."""
+    kind = _SCALAR_KINDS.get(type(value))
+    if kind is not None:  # one plain Python number: the common case, made quick
+        return (), [value], kind
+    level, shape = [value], []
+    while True:
+        types = set(map(type, level))
+        if not types or not (types <= _SEQUENCE_TYPES or all(issubclass(t, _SEQUENCES) for t in types)):
+            break
+        lengths = set(map(len, level))
+        if len(lengths) > 1:
+            return None
+        shape.append(lengths.pop())
+        level = [item for items in level for item in items]
+    kinds = set(map(_kind_of, types))
+    if None in kinds:
+        return None
+    # The widest kind present; NumPy reads [] as float64.
+    kind = "c" if "c" in kinds else "f" if "f" in kinds or not kinds else "i" if "i" in kinds else "b"
+    return tuple(shape), level, kind
+
+
+def _kind_of(cls: type) -> str | None:
+    """The kind of a Python number's type (subclasses included, NumPy's excluded)."""
+    kind = _SCALAR_KINDS.get(cls)
+    if kind is None and not issubclass(cls, np.generic):
+        kind = next((_SCALAR_KINDS[base] for base in _PY_SCALARS if issubclass(cls, base)), None)
+    return kind
+
+
+def _from_python(
+    value: Any, found: tuple[int, ...], values: list, kind: str, field: Field, shape: tuple[int, ...], where: str
+) -> np.ndarray:
+    """``value``, weak Python numbers (see the rule above), as an array of the field."""
     dtype = field.dtype
-    if not weak:
-        return bool(np.can_cast(array.dtype, dtype, casting="safe"))
-    if dtype.kind not in _WEAK_KINDS.get(array.dtype.kind, ""):
-        return False
-    if dtype.kind in "iu" and array.size:
-        info = np.iinfo(dtype)
-        low, high = array.min(), array.max()
-        if low < info.min or high > info.max:
+    into = dtype.kind
+    if into not in _WEAK_KINDS[kind]:
+        raise TypeError(
+            f"{where}: {field.label()} expected dtype {dtype}, got Python {_KIND_NAMES[kind]}, which "
+            f"cannot be cast safely (see dataecho.fields for the casting rule)"
+        )
+    if found != shape:
+        raise ValueError(f"{where}: {field.label()} expected shape {shape}, got {found}")
+    array = np.asarray(value)
+    if array.dtype == dtype:  # NumPy reads it as the field's dtype (int64, say): nothing is lost
+        return array
+    if into in "iu" and kind == "i" and values:
+        low, high = _int_bounds(dtype)
+        smallest, largest = min(values), max(values)
+        if smallest < low or largest > high:
             raise OverflowError(
-                f"{where}: {field.label()} value {low if low < info.min else high} is out of "
-                f"range for {dtype} [{info.min}, {info.max}]"
+                f"{where}: {field.label()} value {smallest if smallest < low else largest} is out of "
+                f"range for {dtype} [{low}, {high}]"
             )
-    return True
+    elif into in "fc" and values:
+        quick, limit = _float_limits(dtype)
+        try:
+            fits = not any(abs(v) >= quick for v in values)  # NaN fits; inf is checked by value
+        except OverflowError:  # the modulus of a complex beyond float range
+            fits = False
+        culprit = None if fits else _first_beyond(values, limit)
+        if culprit is not None:
+            raise OverflowError(
+                f"{where}: {field.label()} value {culprit!r} is out of range for {dtype} "
+                f"(largest finite {float(np.finfo(dtype).max):g})"
+            )
+    return np.array(value, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _int_bounds(dtype: np.dtype) -> tuple[int, int]:
+    info = np.iinfo(dtype)
+    return int(info.min), int(info.max)
+
+
+@functools.lru_cache(maxsize=None)
+def _float_limits(dtype: np.dtype) -> tuple[float, int]:
+    """(quick, limit): a number of magnitude ``limit`` or more (half an ulp above the
+    largest finite value) rounds to infinity in ``dtype``; one below ``quick`` does
+    not, even through the float64 that NumPy reads a Python number as first."""
+    info = np.finfo(dtype)
+    limit = 2**info.maxexp - 2 ** (info.maxexp - info.nmant - 2)
+    return limit - 2 ** (info.maxexp - 52), limit
+
+
+def _first_beyond(values: list, limit: int) -> Any:
+    """The first of ``values`` with a finite part that NumPy would make infinite."""
+    for value in values:
+        for part in (value.real, value.imag):
+            try:
+                part = float(part)  # as NumPy reads it
+            except OverflowError:  # an int beyond float64
+                return value
+            if math.isfinite(part) and abs(part) >= limit:
+                return value
+    return None
 
 
 def _describe(value: Any) -> str:

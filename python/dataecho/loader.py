@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, Callable
 
@@ -23,6 +24,7 @@ from . import _checks
 from .augment import AugmentStage
 from .batch_echo import BatchEcho
 from .buffer import ShuffleBuffer
+from .errors import BufferClosed
 from .process_producers import ProcessProducers, check_picklable, default_start_method
 from .producers import Failure, Producers, epoch_order
 from .structure import Structure
@@ -129,18 +131,27 @@ class EchoLoader:
             self.echo_factor: float | str = "auto"
         else:
             self.echo_factor = _checks.real("echo_factor", echo_factor, 1.0, _MAX_ECHO)
-        if echo_at not in ("example", "batch"):
-            raise ValueError(f"echo_at: expected 'example' or 'batch', got {echo_at!r}")
+        echo_at = _checks.choice("echo_at", echo_at, ("example", "batch"))
         self.echo_at = echo_at
         for name, fn in (("transform", transform), ("augment", augment)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name}: expected a callable or None, got {type(fn).__name__}")
         self.transform, self.augment = transform, augment
         default = _DEFAULT_BATCHES if echo_at == "batch" else _DEFAULT_EXAMPLES
-        self.shuffle_buffer = default if shuffle_buffer is None else _checks.positive_int("shuffle_buffer", shuffle_buffer)
+        # An epoch's ShuffleBuffers hold at most 2**31 examples each: shuffle_buffer
+        # examples (echo_at="example"), 2 batches (echo_at="batch"), 4 (after augment).
+        self.shuffle_buffer = (
+            default if shuffle_buffer is None else _checks.positive_int("shuffle_buffer", shuffle_buffer, 1 << 31)
+        )
         if echo_at == "example" and self.shuffle_buffer < self.batch_size:
             raise ValueError(
                 f"shuffle_buffer: {self.shuffle_buffer} examples cannot hold a batch of {self.batch_size}"
+            )
+        held = 4 if augment is not None else 2 if echo_at == "batch" else 1
+        if self.batch_size * held > 1 << 31:
+            raise ValueError(
+                f"batch_size: expected at most {(1 << 31) // held} (a buffer of this epoch holds "
+                f"{held} batches, at most 2**31 examples), got {self.batch_size}"
             )
         self.workers = _checks.positive_int("workers", workers, 1024)
         self.shuffle = _checks.flag("shuffle", shuffle)
@@ -148,13 +159,10 @@ class EchoLoader:
         self.drop_last = _checks.flag("drop_last", drop_last)
         self.prefetch = _checks.positive_int("prefetch", prefetch, 1 << 16)
         self.max_echo = _checks.real("max_echo", max_echo, 1.0, _MAX_ECHO)
-        if output not in ("numpy", "torch"):
-            raise ValueError(f"output: expected 'numpy' or 'torch', got {output!r}")
-        self.output = output
+        self.output = _checks.choice("output", output, ("numpy", "torch"))
         self.pin_memory = _checks.flag("pin_memory", pin_memory)
         self.device = self._check_device(device)
-        if worker_type not in ("thread", "process"):
-            raise ValueError(f"worker_type: expected 'thread' or 'process', got {worker_type!r}")
+        worker_type = _checks.choice("worker_type", worker_type, ("thread", "process"))
         self.worker_type = worker_type
         self.start_method = start_method
         if worker_type == "process":
@@ -163,7 +171,8 @@ class EchoLoader:
             check_picklable("transform", transform)
         self._structure: Structure | None = None
         self._epoch = 0
-        self._current: _Epoch | None = None
+        # Weakly: an epoch nobody iterates any more is collected, and stops.
+        self._current_ref: Callable[[], _Epoch | None] = lambda: None
         self._totals = {"fresh": 0, "delivered": 0, "batches": 0, "wait_s": 0.0, "active_s": 0.0}
         self._worker_counters: list[dict[str, float]] = []
 
@@ -179,7 +188,7 @@ class EchoLoader:
             return None
         try:
             device = torch.device(device)
-        except (TypeError, RuntimeError) as exc:
+        except (TypeError, ValueError, RuntimeError) as exc:  # ValueError: an index beyond int64
             raise ValueError(f"device: {device!r} is not a torch device ({exc})") from None
         if device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"device: {device} needs CUDA, and torch.cuda.is_available() is False")
@@ -191,6 +200,8 @@ class EchoLoader:
 
         if method is None:
             return default_start_method()
+        if not isinstance(method, str):
+            raise TypeError(f"start_method: expected None or a str, got {method!r}")
         if method == "fork":
             raise ValueError(
                 "start_method: 'fork' is unsafe in a process that runs native threads (the buffer's "
@@ -208,9 +219,14 @@ class EchoLoader:
         """Starts an epoch (map-style sources: a new order from seed and epoch)."""
         if self._current is not None:
             self._current.close()
-        self._current = _Epoch(self, self._epoch)
+        epoch = _Epoch(self, self._epoch)
+        self._current_ref = weakref.ref(epoch)
         self._epoch += 1
-        return self._current
+        return epoch
+
+    @property
+    def _current(self) -> _Epoch | None:
+        return self._current_ref()
 
     def __len__(self) -> int:
         """Batches per epoch, for a map-style source and an integer echo factor."""
@@ -226,9 +242,9 @@ class EchoLoader:
 
     def close(self) -> None:
         """Stops the current epoch's threads; iterating again starts a new epoch."""
-        if self._current is not None:
-            self._current.close()
-            self._current = None
+        current = self._current
+        if current is not None:
+            current.close()
 
     def stats(self) -> dict[str, Any]:
         """Counters over every epoch so far.
@@ -244,10 +260,11 @@ class EchoLoader:
             process: examples produced and seconds busy reading and transforming.
         """
         totals = dict(self._totals)
-        if self._current is not None:
-            for key, value in self._current.counters().items():
+        current = self._current
+        if current is not None:
+            for key, value in current.counters().items():
                 totals[key] += value
-            self._worker_counters = self._current.worker_counters()
+            self._worker_counters = current.worker_counters()
         active = totals["active_s"]
         return {
             "fresh": totals["fresh"],
@@ -272,7 +289,7 @@ class EchoLoader:
         self.close()
 
     def __del__(self) -> None:
-        current = getattr(self, "_current", None)
+        current = self._current if hasattr(self, "_current_ref") else None
         if current is not None:
             current.close()
 
@@ -326,11 +343,11 @@ class _Epoch:
             self._producers = ProcessProducers(
                 self._echo_buffer, structure, self._source_for_workers, loader.transform, loader.workers,
                 loader.start_method, map_style, (length, loader.shuffle, self._seeds[0], start),
-                self._seeds[1], self._failure, self._abort,
+                self._seeds[1], self._failure, _weakly(self._abort),
             )
         else:
             self._producers = Producers(
-                self._echo_buffer, structure, loader.transform, loader.workers, self._failure, self._abort
+                self._echo_buffer, structure, loader.transform, loader.workers, self._failure, _weakly(self._abort)
             )
             if first is not _NOTHING:
                 self._producers.put_first(first)
@@ -348,8 +365,8 @@ class _Epoch:
             upstream = self._batch_echo.next_batch
         if loader.augment is not None:
             self._augment = AugmentStage(
-                upstream, structure, loader.augment, loader.workers, self._make_output_buffer,
-                self._failure, self._abort,
+                upstream, structure, loader.augment, loader.workers, _weakly(self._make_output_buffer, raise_if_gone=True),
+                self._failure, _weakly(self._abort),
             )
         else:
             self._final = upstream
@@ -529,14 +546,14 @@ class _Epoch:
             if buffer is not None:
                 buffer._abort()
 
-    def _finish(self) -> None:
+    def _finish(self, wait: bool = True) -> None:
         if not self._closed:
             self._closed = True
             self._abort()
-            self._join()
+            self._join(wait)
             self._loader._epoch_finished(self.counters(), self.worker_counters())
             if self._loader._current is self:
-                self._loader._current = None
+                self._loader._current_ref = lambda: None
 
     def close(self) -> None:
         """Stops this epoch's threads (idempotent)."""
@@ -544,13 +561,41 @@ class _Epoch:
             self._mover.close()
         self._finish()
 
-    def _join(self) -> None:
-        for stage in (self._producers, self._augment):
-            if stage is not None:
-                stage.join(_JOIN_TIMEOUT_S)
+    def __del__(self) -> None:
+        # The last reference went (the loop left, the loader was deleted): stop
+        # every stage. Threads are not waited for (one may be inside the user's
+        # code); each ends at its next put. Worker processes are reaped.
+        if not getattr(self, "_closed", True):
+            if self._mover is not None:
+                self._mover.close()
+            self._finish(wait=False)
+
+    def _join(self, wait: bool = True) -> None:
+        if isinstance(self._producers, ProcessProducers) or wait and self._producers is not None:
+            self._producers.join(_JOIN_TIMEOUT_S)
+        if wait and self._augment is not None:
+            self._augment.join(_JOIN_TIMEOUT_S)
 
 
 _NOTHING = object()
+
+
+def _weakly(method: Callable[..., Any], raise_if_gone: bool = False) -> Callable[..., Any]:
+    """`method` for a stage's thread to call without keeping the epoch alive: an
+    epoch nobody iterates is collected, and its __del__ stops the threads. Once
+    it is gone, the call does nothing, or raises BufferClosed (the stage then
+    ends quietly)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        if bound is not None:
+            return bound(*args)
+        if raise_if_gone:
+            raise BufferClosed("the epoch has ended")
+        return None
+
+    return call
 
 
 class _Pickled:

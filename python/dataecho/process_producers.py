@@ -97,8 +97,22 @@ class ProcessProducers:
         context = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
             context.set_forkserver_preload(["dataecho._worker"])
-        self._processes = []
-        self._pipes = []
+        self._processes: list[Any] = []
+        self._pipes: list[Any] = []
+        self._monitor: threading.Thread | None = None
+        try:
+            self._start(context, structure, source, transform, map_style, length, shuffle, order_seed, seed)
+        except BaseException:
+            # Ctrl-C (or a failed start) part-way: the workers already started stop too.
+            buffer._abort()
+            self.join()
+            raise
+
+    def _start(
+        self, context: Any, structure: Structure, source: Any, transform: Callable[[Any], Any] | None,
+        map_style: bool, length: int, shuffle: bool, order_seed: int, seed: int,
+    ) -> None:
+        workers, buffer = self.workers, self._buffer
         for worker in range(workers):
             spec = _worker.WorkerSpec(
                 region=buffer._core.region_name,
@@ -145,7 +159,8 @@ class ProcessProducers:
                 process.kill()
                 process.join(0.5)
         self._stop.set()
-        self._monitor.join(timeout_s)
+        if self._monitor is not None:
+            self._monitor.join(timeout_s)
         self._buffer._core.unlink_region()
         # Dropping the connections closes them. (Not close(): when a loader is
         # collected in a reference cycle, a connection's own finalizer may have

@@ -145,7 +145,8 @@ class Producers:
     def join(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread is not threading.current_thread():  # an epoch collected by one of its own threads
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     def alive(self) -> int:
         return sum(t.is_alive() for t in self._threads)
