@@ -67,7 +67,8 @@ class ProcessProducers:
         workers: processes.
         start_method: multiprocessing start method.
         map_style: ``source`` is indexed; else iterated by every worker.
-        order: (length, shuffle, order seed, first position) for map-style sources.
+        order: this rank's reading order of a map-style source (positions are
+            claimed from the buffer's counter, set by the caller), else None.
         seed: base for each worker's seed.
         failure, on_failure: where an error goes, and what stops the pipeline.
     """
@@ -81,19 +82,17 @@ class ProcessProducers:
         workers: int,
         start_method: str,
         map_style: bool,
-        order: tuple[int, bool, int, int],
+        order: Any,
         seed: int,
         failure: Failure,
         on_failure: Callable[[], None],
+        first_seq: int = 0,
     ) -> None:
         self._buffer = buffer
         self._failure = failure
         self._on_failure = on_failure
         self._stop = threading.Event()
         self.workers = workers
-        length, shuffle, order_seed, begin = order
-        if map_style:
-            buffer._core.set_index_range(begin, length)
         context = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
             context.set_forkserver_preload(["dataecho._worker"])
@@ -110,9 +109,7 @@ class ProcessProducers:
                 num_workers=workers,
                 seed=(seed + 7919 * (worker + 1)) % (1 << 63),
                 map_style=map_style,
-                length=length,
-                shuffle=shuffle,
-                order_seed=order_seed,
+                order=order,
             )
             receiver, sender = context.Pipe(duplex=False)
             process = context.Process(
