@@ -29,6 +29,7 @@ from .buffer import ShuffleBuffer
 from .process_producers import ProcessProducers, check_picklable, default_start_method
 from .distributed import resolve_shard
 from .producers import Failure, Producers
+from .ray_source import RayRows, is_ray_data
 from .fields import parse_fields, to_field_array
 from .structure import Structure
 
@@ -66,8 +67,10 @@ class EchoLoader:
 
     Args:
         source: an iterable of examples, or a map-style dataset (``__len__`` and
-            ``__getitem__``, a torch ``Dataset`` included). An example is an
-            array, a number, a torch CPU tensor, or a dict/tuple/list of them.
+            ``__getitem__``, a torch ``Dataset`` included), or a Ray Data
+            ``Dataset`` or ``DataIterator`` (read row by row; see
+            dataecho.ray_source). An example is an array, a number, a torch CPU
+            tensor, or a dict/tuple/list of them.
         batch_size: examples per batch.
         echo_factor: mean deliveries per example (or per batch), a number >= 1
             (fractional factors repeat ``floor(e)`` or ``floor(e) + 1`` times);
@@ -144,6 +147,13 @@ class EchoLoader:
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
+        if is_ray_data(source):
+            if worker_type == "process":
+                raise ValueError(
+                    "worker_type: a Ray dataset is read in this process (Ray runs its preprocessing); "
+                    "use worker_type='thread'"
+                )
+            source = RayRows(source)
         if not (_is_map_style(source) or isinstance(source, Iterable)):
             raise TypeError(
                 f"source: expected an iterable or a map-style dataset (__len__ and __getitem__), "
