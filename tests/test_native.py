@@ -23,6 +23,7 @@ NATIVE_TESTS = [
     "buffer_accounting",
     "buffer_fractional_drop_last",
     "buffer_deterministic",
+    "buffer_snapshot",
     "buffer_timeouts",
     "buffer_close",
     "buffer_stop",

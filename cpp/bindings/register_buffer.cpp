@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -24,7 +25,8 @@ class PyBuffer {
  public:
   PyBuffer(const std::vector<FieldDecl>& fields, std::size_t capacity, std::size_t batch_size,
            double echo_factor, bool auto_echo, double max_echo, std::uint64_t seed, bool drop_last,
-           std::size_t prefetch, std::size_t initial, bool shared)
+           std::size_t prefetch, std::size_t initial, bool shared, bool deterministic, bool exact_echo,
+           std::optional<py::dict> restore)
       : specs_(field_specs(fields)) {
     if (capacity == 0 || capacity > Ring::kMaxCapacity) throw py::value_error("capacity: out of range");
     if (batch_size == 0 || batch_size > capacity) throw py::value_error("batch_size: out of range");
@@ -43,24 +45,29 @@ class PyBuffer {
     config.prefetch = prefetch;
     config.initial = initial;
     config.shared = shared;
+    if ((deterministic || exact_echo) && auto_echo)
+      throw py::value_error("deterministic: not with echo_factor='auto'");
+    config.deterministic = deterministic;
+    config.exact_echo = exact_echo;
+    if (restore) config.restore = std::make_shared<const Snapshot>(snapshot_from(*restore, config));
     core_ = std::make_unique<ShuffleBuffer>(ExampleLayout(field_bytes(specs_), batch_size), config);
   }
 
   // `arrays` is borrowed (see blocking.hpp): the caller's list keeps it alive.
-  int put(py::handle arrays, std::optional<double> timeout_s) {
+  int put(py::handle arrays, std::optional<double> timeout_s, std::uint64_t seq) {
     ShuffleBuffer& core = live();
     const auto pointers = field_pointers(specs_, arrays, std::nullopt);
     return static_cast<int>(
-        call_blocking([&](Deadline d) { return core.put(pointers.data(), d); }, timeout_s));
+        call_blocking([&](Deadline d) { return core.producer().put(pointers.data(), d, seq); }, timeout_s));
   }
 
-  std::pair<int, std::size_t> put_many(py::handle arrays, std::size_t n,
-                                       std::optional<double> timeout_s) {
+  std::pair<int, std::size_t> put_many(py::handle arrays, std::size_t n, std::optional<double> timeout_s,
+                                       std::uint64_t first_seq) {
     ShuffleBuffer& core = live();
     const auto pointers = field_pointers(specs_, arrays, n);
     std::size_t done = 0;
     const Status status = call_blocking(
-        [&](Deadline d) { return core.put_many(pointers.data(), n, done, d); }, timeout_s);
+        [&](Deadline d) { return core.producer().put_many(pointers.data(), n, done, d, first_seq); }, timeout_s);
     return {static_cast<int>(status), done};
   }
 
@@ -71,6 +78,7 @@ class PyBuffer {
     Batch batch;
     const Status status = call_blocking([&](Deadline d) { return core.next(batch, d); }, timeout_s);
     if (status != Status::kOk) return {static_cast<int>(status), py::none()};
+    last_seqs_ = std::move(batch.seqs);
     py::object owner = py::cast(batch.lease);
     const ExampleLayout& layout = core.layout();
     py::tuple arrays(specs_.size());
@@ -80,6 +88,31 @@ class PyBuffer {
       arrays[f] = py::array(specs_[f].dtype, shape, batch.lease->data() + layout.batch_offset(f), owner);
     }
     return {static_cast<int>(status), std::move(arrays)};
+  }
+
+  // Deterministic buffers: the rows' sequence numbers of the batch next() returned last.
+  py::array_t<std::uint64_t> last_seqs() const { return py::array_t<std::uint64_t>(last_seqs_.size(), last_seqs_.data()); }
+
+  // Deterministic buffers: (status, state) with the state as a dict (see
+  // snapshot.hpp); waits for the assembler to finish the batch it is on.
+  std::pair<int, py::object> snapshot(std::optional<double> timeout_s) {
+    ShuffleBuffer& core = live();
+    if (!core.config().deterministic) throw py::value_error("snapshot: the buffer is not deterministic");
+    Snapshot s;
+    const Status status = call_blocking([&](Deadline d) { return core.snapshot(s, d); }, timeout_s);
+    if (status != Status::kOk) return {static_cast<int>(status), py::none()};
+    py::dict d;
+    d["batches"] = s.batches;
+    d["rng_state"] = s.rng_state;
+    d["next_seq"] = s.next_seq;
+    d["available"] = s.available;
+    d["seqs"] = py::array_t<std::uint64_t>(s.seqs.size(), s.seqs.data());
+    d["echoes"] = py::array_t<std::uint32_t>(s.echoes.size(), s.echoes.data());
+    py::list queued;
+    for (const auto& rows : s.queued) queued.append(py::array_t<std::uint64_t>(rows.size(), rows.data()));
+    d["queued"] = queued;
+    d["ended"] = s.ended;
+    return {static_cast<int>(status), std::move(d)};
   }
 
   void close() { live().close(); }
@@ -130,6 +163,30 @@ class PyBuffer {
   void abandon_after_fork() noexcept { (void)core_.release(); }
 
  private:
+  // The state to resume from, checked so that no invariant of the core can fail.
+  static Snapshot snapshot_from(const py::dict& d, const BufferConfig& config) {
+    if (!config.deterministic) throw py::value_error("restore: only a deterministic buffer resumes");
+    Snapshot s;
+    s.batches = d["batches"].cast<std::uint64_t>();
+    s.rng_state = d["rng_state"].cast<std::uint64_t>();
+    s.next_seq = d["next_seq"].cast<std::uint64_t>();
+    s.available = d["available"].cast<std::uint64_t>();
+    s.seqs = d["seqs"].cast<std::vector<std::uint64_t>>();
+    s.echoes = d["echoes"].cast<std::vector<std::uint32_t>>();
+    if (s.seqs.size() != s.echoes.size()) throw py::value_error("restore: seqs and echoes differ in length");
+    if (s.seqs.size() > config.capacity) throw py::value_error("restore: more resident examples than capacity");
+    if (s.available > s.seqs.size()) throw py::value_error("restore: available exceeds the resident examples");
+    std::vector<std::uint64_t> sorted = s.seqs;
+    std::sort(sorted.begin(), sorted.end());
+    if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
+      throw py::value_error("restore: a resident example is listed twice");
+    if (!sorted.empty() && sorted.back() >= s.next_seq)
+      throw py::value_error("restore: a resident example is numbered at or beyond next_seq");
+    for (std::uint32_t echoes : s.echoes)
+      if (echoes == 0) throw py::value_error("restore: a resident example has no echo left");
+    return s;
+  }
+
   // Releases a block's owner. Blocks die with the pool, normally under the GIL
   // (a batch's arrays or the buffer being deallocated); at interpreter exit the
   // reference is left alone rather than touch a finalizing interpreter.
@@ -146,6 +203,7 @@ class PyBuffer {
   }
 
   std::vector<FieldSpec> specs_;
+  std::vector<std::uint64_t> last_seqs_;
   std::unique_ptr<ShuffleBuffer> core_;  // destroyed (stopped and joined) first
 };
 
@@ -157,10 +215,13 @@ void register_buffer(py::module_& m) {
 
   py::class_<PyBuffer>(m, "Buffer")
       .def(py::init<const std::vector<FieldDecl>&, std::size_t, std::size_t, double, bool, double,
-                    std::uint64_t, bool, std::size_t, std::size_t, bool>(),
+                    std::uint64_t, bool, std::size_t, std::size_t, bool, bool, bool,
+                    std::optional<py::dict>>(),
            py::arg("fields"), py::arg("capacity"), py::arg("batch_size"), py::arg("echo_factor"),
            py::arg("auto_echo"), py::arg("max_echo"), py::arg("seed"), py::arg("drop_last"),
-           py::arg("prefetch"), py::arg("initial"), py::arg("shared") = false)
+           py::arg("prefetch"), py::arg("initial"), py::arg("shared") = false, py::arg("deterministic") = false,
+           py::arg("exact_echo") = false, py::arg("restore") = py::none())
+      .def("claim_index", [](PyBuffer& b) { return b.core().producer().claim_index(); })
       .def_property_readonly("region_name", [](const PyBuffer& b) { return b.core().region_name(); })
       .def("unlink_region", [](PyBuffer& b) { b.core().unlink_region(); })
       .def("set_index_range",
@@ -169,9 +230,12 @@ void register_buffer(py::module_& m) {
       .def("worker_counters", &PyBuffer::worker_counters, py::arg("workers"))
       .def("add_batch_memory", &PyBuffer::add_batch_memory, py::arg("address"), py::arg("nbytes"),
            py::arg("owner"))
-      .def("put", &PyBuffer::put, py::arg("arrays"), py::arg("timeout_s"))
-      .def("put_many", &PyBuffer::put_many, py::arg("arrays"), py::arg("rows"), py::arg("timeout_s"))
+      .def("put", &PyBuffer::put, py::arg("arrays"), py::arg("timeout_s"), py::arg("seq") = 0)
+      .def("put_many", &PyBuffer::put_many, py::arg("arrays"), py::arg("rows"), py::arg("timeout_s"),
+           py::arg("first_seq") = 0)
       .def("next", &PyBuffer::next, py::arg("timeout_s"))
+      .def("snapshot", &PyBuffer::snapshot, py::arg("timeout_s"))
+      .def_property_readonly("last_seqs", &PyBuffer::last_seqs)
       .def("close", &PyBuffer::close)
       .def("stop", &PyBuffer::stop)
       .def("stats", &PyBuffer::stats)

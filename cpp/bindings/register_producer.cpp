@@ -30,16 +30,18 @@ class PyProducer {
   }
 
   // `arrays` is borrowed (see blocking.hpp): the caller's list keeps it alive.
-  int put(py::handle arrays, std::optional<double> timeout_s) {
+  int put(py::handle arrays, std::optional<double> timeout_s, std::uint64_t seq) {
     const auto pointers = field_pointers(specs_, arrays, std::nullopt);
-    return static_cast<int>(call_blocking([&](Deadline d) { return producer_->put(pointers.data(), d); }, timeout_s));
+    return static_cast<int>(
+        call_blocking([&](Deadline d) { return producer_->put(pointers.data(), d, seq); }, timeout_s));
   }
 
-  std::pair<int, std::size_t> put_many(py::handle arrays, std::size_t n, std::optional<double> timeout_s) {
+  std::pair<int, std::size_t> put_many(py::handle arrays, std::size_t n, std::optional<double> timeout_s,
+                                       std::uint64_t first_seq) {
     const auto pointers = field_pointers(specs_, arrays, n);
     std::size_t done = 0;
-    const Status status =
-        call_blocking([&](Deadline d) { return producer_->put_many(pointers.data(), n, done, d); }, timeout_s);
+    const Status status = call_blocking(
+        [&](Deadline d) { return producer_->put_many(pointers.data(), n, done, d, first_seq); }, timeout_s);
     return {static_cast<int>(status), done};
   }
 
@@ -56,8 +58,9 @@ class PyProducer {
 void register_producer(py::module_& m) {
   py::class_<PyProducer>(m, "Producer", "Puts examples into a buffer's shared region from another process.")
       .def(py::init<const std::string&, const std::vector<FieldDecl>&>(), py::arg("region"), py::arg("fields"))
-      .def("put", &PyProducer::put, py::arg("arrays"), py::arg("timeout_s"))
-      .def("put_many", &PyProducer::put_many, py::arg("arrays"), py::arg("rows"), py::arg("timeout_s"))
+      .def("put", &PyProducer::put, py::arg("arrays"), py::arg("timeout_s"), py::arg("seq") = 0)
+      .def("put_many", &PyProducer::put_many, py::arg("arrays"), py::arg("rows"), py::arg("timeout_s"),
+           py::arg("first_seq") = 0)
       .def("claim_index", [](PyProducer& p) { return p.producer().claim_index(); })
       .def("record", [](PyProducer& p, std::size_t worker, std::uint64_t produced, std::uint64_t busy_ns) {
         p.producer().record(worker, produced, busy_ns);

@@ -53,6 +53,7 @@ using dataecho::Reservoir;
 using dataecho::Ring;
 using dataecho::Rng;
 using dataecho::ShuffleBuffer;
+using dataecho::Snapshot;
 using dataecho::Status;
 using Clock = std::chrono::steady_clock;
 
@@ -1011,6 +1012,113 @@ std::string test_buffer_deterministic() {
   return "same seed -> same order, different seed -> different order (1 producer, 2 configs)";
 }
 
+// Deterministic intake with several producers, and resume: a buffer restored
+// from a snapshot taken after batch k (its resident examples put again by
+// sequence number) yields exactly what the uninterrupted buffer yielded after k.
+namespace snapshot_test {
+
+struct Plan {
+  std::size_t capacity, batch;
+  double echo;
+  std::uint64_t items, seed;
+};
+
+BufferConfig config_of(const Plan& plan) {
+  BufferConfig config = make_config(plan.capacity, plan.batch, plan.echo, plan.seed);
+  config.deterministic = true;
+  return config;
+}
+
+Status put_seq(ShuffleBuffer& buf, std::uint64_t id) {
+  std::uint8_t payload[kPayload];
+  payload_of(id, payload);
+  const void* fields[] = {&id, payload};
+  return buf.producer().put(fields, Deadline::never(), id);  // the id is the sequence number
+}
+
+// Four producers claim ids from `next` up to the end and put them; the last closes.
+void produce(Threads& threads, ShuffleBuffer& buf, std::atomic<std::uint64_t>& next, std::uint64_t end,
+             std::atomic<int>& running) {
+  for (int p = 0; p < 4; ++p)
+    threads.spawn([&buf, &next, &running, end] {  // `end` by value: this function returns first
+      for (;;) {
+        // relaxed: the counter only hands out distinct ids.
+        const std::uint64_t id = next.fetch_add(1, std::memory_order_relaxed);
+        if (id >= end || put_seq(buf, id) != Status::kOk) break;
+      }
+      if (running.fetch_sub(1, std::memory_order_acq_rel) == 1) buf.close();
+    });
+}
+
+// The ids of the first `stop_after` batches (all of them when 0), and a
+// snapshot after them when asked.
+std::vector<std::uint64_t> run(const Plan& plan, std::size_t stop_after, Snapshot* snapshot) {
+  ShuffleBuffer buf(id_layout(plan.batch), config_of(plan));
+  Consumer consumer(buf, plan.items);
+  std::atomic<std::uint64_t> next{0};
+  std::atomic<int> running{4};
+  Threads threads([&] { buf.stop(); });
+  produce(threads, buf, next, plan.items, running);
+  Batch batch;
+  while (stop_after == 0 || consumer.batches < stop_after) {
+    const Status st = buf.next(batch, Deadline::after_seconds(g_options.timeout_s));
+    if (st == Status::kClosed) break;
+    CHECK_MSG(st == Status::kOk, "next() returned status " << static_cast<int>(st));
+    consumer.take(batch, true);
+  }
+  if (snapshot) CHECK(buf.snapshot(*snapshot, Deadline::after_seconds(g_options.timeout_s)) == Status::kOk);
+  buf.stop();
+  threads.join();
+  return consumer.order;
+}
+
+std::vector<std::uint64_t> resume(const Plan& plan, const Snapshot& snapshot) {
+  BufferConfig config = config_of(plan);
+  config.restore = std::make_shared<const Snapshot>(snapshot);
+  ShuffleBuffer buf(id_layout(plan.batch), config);
+  Consumer consumer(buf, plan.items);
+  for (const std::vector<std::uint64_t>& rows : snapshot.queued)  // assembled before: yielded first
+    consumer.order.insert(consumer.order.end(), rows.begin(), rows.end());
+  if (snapshot.ended) return consumer.order;
+  for (std::uint64_t seq : snapshot.seqs) CHECK(put_seq(buf, seq) == Status::kOk);
+  std::atomic<std::uint64_t> next{snapshot.next_seq};
+  std::atomic<int> running{4};
+  Threads threads([&] { buf.stop(); });
+  produce(threads, buf, next, plan.items, running);
+  consumer.drain(buf, true);
+  threads.join();
+  return consumer.order;
+}
+
+}  // namespace snapshot_test
+
+std::string test_buffer_snapshot() {
+  using namespace snapshot_test;
+  const std::uint64_t n = std::max<std::uint64_t>(2000, g_options.items / 400);
+  const Plan plans[] = {{64, 8, 1.5, n, run_seed(4100)}, {7, 3, 2.0, n, run_seed(4101)},
+                        {256, 32, 1.0, n, run_seed(4102)}};
+  std::size_t resumes = 0;
+  for (const Plan& plan : plans) {
+    const std::vector<std::uint64_t> reference = run(plan, 0, nullptr);
+    CHECK_MSG(run(plan, 0, nullptr) == reference, "4 producers: the order changed between runs");
+    const std::size_t batches = (reference.size() + plan.batch - 1) / plan.batch;
+    for (std::size_t k : {std::size_t{1}, std::size_t{2}, batches / 3, batches / 2, batches - 1, batches}) {
+      if (k == 0) continue;
+      Snapshot snapshot;
+      std::vector<std::uint64_t> order = run(plan, k, &snapshot);
+      CHECK_MSG(order.size() == std::min(reference.size(), k * plan.batch), "took " << order.size() << " rows");
+      const std::vector<std::uint64_t> rest = resume(plan, snapshot);
+      order.insert(order.end(), rest.begin(), rest.end());
+      CHECK_MSG(order == reference, "capacity " << plan.capacity << ", batch " << plan.batch << ", echo "
+                                                << plan.echo << ": resumed after batch " << k << " differs");
+      ++resumes;
+    }
+  }
+  std::ostringstream s;
+  s << "4 producers, deterministic order; " << resumes << " resumes from snapshots, each equal to the uninterrupted run";
+  return s.str();
+}
+
 // Deadlines: next() on an empty open buffer times out; a put on a full buffer
 // times out and put_many resumes where it stopped.
 std::string test_buffer_timeouts() {
@@ -1290,6 +1398,7 @@ const Test kTests[] = {
     {"buffer_accounting", test_buffer_accounting},
     {"buffer_fractional_drop_last", test_buffer_fractional_and_drop_last},
     {"buffer_deterministic", test_buffer_deterministic},
+    {"buffer_snapshot", test_buffer_snapshot},
     {"buffer_timeouts", test_buffer_timeouts},
     {"buffer_close", test_buffer_close},
     {"buffer_stop", test_buffer_stop},

@@ -11,14 +11,19 @@ from typing import Any
 _UINT64 = 1 << 64
 
 
+def integer(name: str, value: Any, expected: str) -> int:
+    """Returns ``value`` as an int; rejects bool and non-integers, saying what was `expected`."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected {expected}, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected {expected}, got {value!r}") from None
+
+
 def positive_int(name: str, value: Any, maximum: int | None = None) -> int:
     """Returns ``value`` as an int in [1, maximum]; rejects bool and non-integers."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name}: expected a positive int, got {value!r}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name}: expected a positive int, got {value!r}") from None
+    number = integer(name, value, "a positive int")
     if number < 1:
         raise ValueError(f"{name}: expected a positive int, got {number}")
     if maximum is not None and number > maximum:
@@ -57,12 +62,7 @@ def seed(value: Any) -> int:
     """A 64-bit seed: ``value`` itself, or a fresh random one for None."""
     if value is None:
         return secrets.randbits(64)
-    if isinstance(value, bool):
-        raise TypeError(f"seed: expected None or a non-negative int, got {value!r}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise TypeError(f"seed: expected None or a non-negative int, got {value!r}") from None
+    number = integer("seed", value, "None or a non-negative int")
     if not 0 <= number < _UINT64:
         raise ValueError(f"seed: expected an int in [0, 2**64), got {number}")
     return number

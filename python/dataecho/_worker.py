@@ -9,6 +9,7 @@ the user's world come in only if unpickling the source or transform needs them.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import sys
@@ -74,9 +75,7 @@ class WorkerSpec:
     num_workers: int
     seed: int
     map_style: bool
-    length: int
-    shuffle: bool
-    order_seed: int
+    order: Any  # map-style: the rank's reading order (dataset index per position)
 
 
 def main(spec: WorkerSpec, conn: Any) -> None:
@@ -100,24 +99,22 @@ def main(spec: WorkerSpec, conn: Any) -> None:
     orphaned = lambda: os.getppid() != parent  # noqa: E731
     try:
         if spec.map_style:
-            order = (
-                np.random.default_rng(spec.order_seed).permutation(spec.length)
-                if spec.shuffle
-                else np.arange(spec.length)
-            )
+            # A claimed position is also the example's sequence number.
             while (position := producer.claim_index()) >= 0:
                 start = time.perf_counter()
-                example = spec.source[int(order[position])]
+                example = spec.source[int(spec.order[position])]
                 meter.busy(time.perf_counter() - start)
-                if not _produce(spec, producer, meter, orphaned, example):
+                if not _produce(spec, producer, meter, orphaned, example, position):
                     break
         else:
             it = iter(spec.source)
-            while True:
+            for k in itertools.count():
                 start = time.perf_counter()
                 example = next(it, _END)
                 meter.busy(time.perf_counter() - start)
-                if example is _END or not _produce(spec, producer, meter, orphaned, example):
+                # Interleaved numbering: worker w's k-th example is k * W + w.
+                seq = k * spec.num_workers + spec.worker_id
+                if example is _END or not _produce(spec, producer, meter, orphaned, example, seq):
                     break
         meter.flush()
         _send(conn, ("done", spec.worker_id))
@@ -129,8 +126,8 @@ def main(spec: WorkerSpec, conn: Any) -> None:
 _END = object()
 
 
-def _produce(spec: WorkerSpec, producer: Any, meter: _Meter, orphaned: Any, example: Any) -> bool:
-    """Transforms and puts one example; False once the parent closed the buffer."""
+def _produce(spec: WorkerSpec, producer: Any, meter: _Meter, orphaned: Any, example: Any, seq: int) -> bool:
+    """Transforms and puts example number `seq`; False once the parent closed the buffer."""
     start = time.perf_counter()
     if spec.transform is not None:
         example = spec.transform(example)
@@ -138,7 +135,7 @@ def _produce(spec: WorkerSpec, producer: Any, meter: _Meter, orphaned: Any, exam
     arrays = [to_field_array(v, f, None, "worker put()") for v, f in zip(leaves, spec.fields)]
     meter.busy(time.perf_counter() - start)
     while True:
-        status = producer.put(arrays, 1.0)
+        status = producer.put(arrays, 1.0, seq)
         if status == _OK:
             meter.produced()
             return True

@@ -56,6 +56,7 @@ class AugmentStage:
         self._setup = threading.Lock()
         self._stop = threading.Event()
         self._running = workers
+        self._rows_taken = 0  # numbers the examples in upstream order (deterministic intake)
         self.ready = threading.Event()  # set once `output` exists or nothing will come
         self.output: ShuffleBuffer | None = None
         self.out_structure: Structure | None = None
@@ -101,12 +102,14 @@ class AugmentStage:
         while not self._stop.is_set():
             with self._take:
                 arrays = self._upstream(None)
+                first_seq = self._rows_taken
+                self._rows_taken += len(arrays[0])
             views = read_only(arrays)
             for row in range(len(views[0])):
                 example = self._structure.unflatten([v[row] for v in views])
                 result = self._augment(example)
                 output = self.output or self._create_output(result)
-                output._put_values(self.out_structure.flatten(result))
+                output._put_values(self.out_structure.flatten(result), seq=first_seq + row)
 
     def _create_output(self, first_result: Any) -> ShuffleBuffer:
         with self._setup:

@@ -42,6 +42,9 @@ class BatchEcho:
             ready, at most about ``max_echo`` times in all.
         max_echo: the cap for "auto".
         rng: draws echo counts and picks.
+        exact: the fractional part of the factor by batch number (exactly
+            floor(n * f) of the first n batches get the extra delivery) instead
+            of at random, so that the number of deliveries is known in advance.
     """
 
     def __init__(
@@ -51,12 +54,14 @@ class BatchEcho:
         echo_factor: float | None,
         max_echo: float,
         rng: np.random.Generator,
+        exact: bool = False,
     ) -> None:
         self._upstream = upstream
         self._resident = resident
         self._echo = echo_factor
         self._max_echo = max_echo
         self._rng = rng
+        self._exact = exact
         self._entries: list[_Entry] = []
         self._last: _Entry | None = None
         self._upstream_done = False
@@ -134,4 +139,7 @@ class BatchEcho:
 
     def _draw_count(self, factor: float) -> int:
         whole = math.floor(factor)
+        if self._exact:
+            n, f = self.fresh_batches - 1, factor - whole  # this batch's number
+            return whole + math.floor((n + 1) * f) - math.floor(n * f)
         return whole + int(self._rng.random() < factor - whole)

@@ -68,6 +68,9 @@ class ShuffleBuffer:
         initial: int | None = None,
         max_echo: float = 4.0,
         _shared: bool = False,
+        _deterministic: bool = False,
+        _exact_echo: bool = False,
+        _restore: dict | None = None,
     ) -> None:
         self._fields, self._single = parse_fields(fields)
         capacity = _checks.positive_int("capacity", capacity, _MAX_CAPACITY)
@@ -77,6 +80,8 @@ class ShuffleBuffer:
         auto_echo = isinstance(echo_factor, str)
         if auto_echo and echo_factor != "auto":
             raise ValueError(f"echo_factor: expected a number >= 1 or 'auto', got {echo_factor!r}")
+        if auto_echo and (_deterministic or _exact_echo):
+            raise ValueError("echo_factor: 'auto' depends on timing, so it cannot be deterministic")
         echo_factor = 1.0 if auto_echo else _checks.real("echo_factor", echo_factor, 1.0, _MAX_ECHO)
         max_echo = _checks.real("max_echo", max_echo, 1.0, _MAX_ECHO)
         drop_last = _checks.flag("drop_last", drop_last)
@@ -97,6 +102,9 @@ class ShuffleBuffer:
                 prefetch,
                 initial or 0,
                 _shared,
+                _deterministic,
+                _exact_echo,
+                _restore,
             )
         except MemoryError:
             example = sum(f.nbytes for f in self._fields)
@@ -154,14 +162,15 @@ class ShuffleBuffer:
         self._check_process()
         self._put_arrays(self._arrays(example, None, "put()"), timeout)
 
-    def _put_values(self, values: list, timeout: float | None = None) -> None:
-        """Like ``put``, for an example already flattened to one value per field."""
+    def _put_values(self, values: list, timeout: float | None = None, seq: int = 0) -> None:
+        """Like ``put``, for an example already flattened to one value per field;
+        ``seq`` is its position in the input, for deterministic intake."""
         self._check_process()
         arrays = [to_field_array(v, f, None, "put()") for v, f in zip(values, self._fields)]
-        self._put_arrays(arrays, timeout)
+        self._put_arrays(arrays, timeout, seq)
 
-    def _put_arrays(self, arrays: list[np.ndarray], timeout: float | None) -> None:
-        status = self._core.put(arrays, _checks.timeout(timeout))
+    def _put_arrays(self, arrays: list[np.ndarray], timeout: float | None, seq: int = 0) -> None:
+        status = self._core.put(arrays, _checks.timeout(timeout), seq)
         if status == _CLOSED:
             raise BufferClosed("put(): the ShuffleBuffer is closed")
         if status == _TIMEOUT:
@@ -186,7 +195,7 @@ class ShuffleBuffer:
         if rows == 0:
             return
         arrays = self._arrays(examples, rows, "put_many()")
-        status, done = self._core.put_many(arrays, rows, _checks.timeout(timeout))
+        status, done = self._core.put_many(arrays, rows, _checks.timeout(timeout), 0)
         if status == _OK:
             return
         raise _put_many_error(status, done, rows, timeout)
@@ -236,6 +245,18 @@ class ShuffleBuffer:
         if status == _TIMEOUT:
             raise TimeoutError(f"next_batch(): no batch within {timeout} s")
         return arrays
+
+    def _snapshot(self, timeout: float | None = None) -> dict[str, Any]:
+        """Deterministic buffers: the state before the next batch to be assembled
+        (resident examples by sequence number, echo counts, RNG counter, intake
+        position) and the rows of the batches assembled but not yet taken."""
+        self._check_process()
+        status, state = self._core.snapshot(_checks.timeout(timeout))
+        if status == _CLOSED:
+            raise BufferClosed("state: the ShuffleBuffer was stopped")
+        if status == _TIMEOUT:
+            raise TimeoutError(f"state: the batch being assembled did not finish within {timeout} s")
+        return state
 
     def _abort(self) -> None:
         """Stops at once: blocked producers get BufferClosed, the consumer the end,

@@ -11,10 +11,12 @@ Pipeline of one epoch::
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any, Callable
 
@@ -23,10 +25,14 @@ import numpy as np
 from . import _checks
 from .augment import AugmentStage
 from .batch_echo import BatchEcho
+from .checkpoint import FORMAT, check_state
 from .buffer import ShuffleBuffer
 from .errors import BufferClosed
 from .process_producers import ProcessProducers, check_picklable, default_start_method
-from .producers import Failure, Producers, epoch_order
+from .distributed import resolve_shard
+from .producers import Failure, Producers
+from .ray_source import RayRows, is_ray_data
+from .fields import parse_fields, to_field_array
 from .structure import Structure
 
 __all__ = ["EchoLoader"]
@@ -35,6 +41,13 @@ _MAX_ECHO = float(1 << 32)
 _DEFAULT_EXAMPLES = 4096
 _DEFAULT_BATCHES = 16
 _JOIN_TIMEOUT_S = 5.0
+
+
+def exact_deliveries(count: int, echo: float) -> int:
+    """Deliveries of `count` items with exact echo counts: floor(e) each, and one
+    more for floor(count * f) of them (f = e - floor(e))."""
+    whole = math.floor(echo)
+    return count * whole + math.floor(count * (echo - whole))
 
 
 def _is_map_style(source: Any) -> bool:
@@ -56,8 +69,10 @@ class EchoLoader:
 
     Args:
         source: an iterable of examples, or a map-style dataset (``__len__`` and
-            ``__getitem__``, a torch ``Dataset`` included). An example is an
-            array, a number, a torch CPU tensor, or a dict/tuple/list of them.
+            ``__getitem__``, a torch ``Dataset`` included), or a Ray Data
+            ``Dataset`` or ``DataIterator`` (read row by row; see
+            dataecho.ray_source). An example is an array, a number, a torch CPU
+            tensor, or a dict/tuple/list of them.
         batch_size: examples per batch.
         echo_factor: mean deliveries per example (or per batch), a number >= 1
             (fractional factors repeat ``floor(e)`` or ``floor(e) + 1`` times);
@@ -91,6 +106,19 @@ class EchoLoader:
         start_method: for processes: ``"forkserver"`` (default where available)
             or ``"spawn"``; ``"fork"`` is refused, as forking a process that runs
             native threads is unsafe.
+        deterministic: the batches are a function of (seed, epoch, rank,
+            world_size) alone, whatever the number or kind of workers and their
+            timing: examples enter the echo buffer in reading order (through a
+            reorder window of ``batch_size``), and fractional echo counts follow
+            the example's position. Not with ``echo_factor="auto"``. An
+            ``augment`` with its own randomness stays as random as it is.
+        rank, world_size: this process's part of a data-parallel job; by default
+            taken from ``torch.distributed`` when it is initialized. Each rank
+            reads a disjoint shard of a map-style dataset, of equal size (padded
+            by repeating indices, or cut with ``drop_last``, as torch's
+            ``DistributedSampler`` does), and yields the same number of batches;
+            shuffling and echoing are local to each rank, seeded differently.
+            The ``seed`` must be the same on every rank (None means 0 then).
 
     Raises:
         TypeError, ValueError: a bad argument, named in the message.
@@ -117,7 +145,17 @@ class EchoLoader:
         device: Any = None,
         worker_type: str = "thread",
         start_method: str | None = None,
+        deterministic: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
     ) -> None:
+        if is_ray_data(source):
+            if worker_type == "process":
+                raise ValueError(
+                    "worker_type: a Ray dataset is read in this process (Ray runs its preprocessing); "
+                    "use worker_type='thread'"
+                )
+            source = RayRows(source)
         if not (_is_map_style(source) or isinstance(source, Iterable)):
             raise TypeError(
                 f"source: expected an iterable or a map-style dataset (__len__ and __getitem__), "
@@ -155,7 +193,19 @@ class EchoLoader:
             )
         self.workers = _checks.positive_int("workers", workers, 1024)
         self.shuffle = _checks.flag("shuffle", shuffle)
-        self.seed = _checks.seed(seed)
+        self.shard = resolve_shard(rank, world_size)
+        # Ranks must agree on the epoch's permutation: a common seed.
+        self.seed = _checks.seed(0 if seed is None and self.shard.world_size > 1 else seed)
+        self.deterministic = _checks.flag("deterministic", deterministic)
+        # Exact echo counts (see ShuffleBuffer's deterministic mode): equal
+        # batch counts on every rank need them.
+        self.exact_echo = self.deterministic or self.shard.world_size > 1
+        if self.exact_echo and self.echo_factor == "auto":
+            why = "deterministic=True" if self.deterministic else f"world_size={self.shard.world_size}"
+            raise ValueError(
+                f"echo_factor: 'auto' adapts to timing, so its batches (and their number per rank) "
+                f"cannot be fixed in advance as {why} needs; give a number"
+            )
         self.drop_last = _checks.flag("drop_last", drop_last)
         self.prefetch = _checks.positive_int("prefetch", prefetch, 1 << 16)
         self.max_echo = _checks.real("max_echo", max_echo, 1.0, _MAX_ECHO)
@@ -169,8 +219,14 @@ class EchoLoader:
             self.start_method = self._check_start_method(start_method)
             check_picklable("source", source)
             check_picklable("transform", transform)
+            if self.deterministic and not _is_map_style(source):
+                raise ValueError(
+                    "deterministic: worker processes each read their own shard of an iterable, which "
+                    "have no common order; use a map-style source, or worker_type='thread'"
+                )
         self._structure: Structure | None = None
         self._epoch = 0
+        self._resume: dict[str, Any] | None = None  # from load_state_dict, for the next epoch
         # Weakly: an epoch nobody iterates any more is collected, and stops.
         self._current_ref: Callable[[], _Epoch | None] = lambda: None
         self._totals = {"fresh": 0, "delivered": 0, "batches": 0, "wait_s": 0.0, "active_s": 0.0}
@@ -219,7 +275,8 @@ class EchoLoader:
         """Starts an epoch (map-style sources: a new order from seed and epoch)."""
         if self._current is not None:
             self._current.close()
-        epoch = _Epoch(self, self._epoch)
+        resume, self._resume = self._resume, None
+        epoch = _Epoch(self, self._epoch, resume["position"] if resume else None)
         self._current_ref = weakref.ref(epoch)
         self._epoch += 1
         return epoch
@@ -228,17 +285,80 @@ class EchoLoader:
     def _current(self) -> _Epoch | None:
         return self._current_ref()
 
+    # ---- checkpoints ----
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where iteration stands, to resume from with ``load_state_dict`` (the
+        convention of torchdata's ``StatefulDataLoader``); see dataecho.checkpoint
+        for what it holds. Take it between batches, in the consumer's thread.
+
+        Map-style sources: exact resume needs ``deterministic=True``; then the
+        resumed loader yields exactly the batches this one would have yielded next.
+        Iterable sources: a skip-ahead count (resident examples are not restored).
+
+        Raises:
+            ValueError: a loader whose position cannot be saved (named in the message).
+        """
+        if self._resume is not None:
+            return dict(self._resume)  # loaded, not started yet
+        state = {"format": FORMAT, "epoch": self._epoch, **self._identity(), "position": None}
+        current = self._current
+        if current is not None and not current._closed:
+            state["epoch"] = current.epoch
+            state["position"] = current.position()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resumes from ``state_dict()``'s result at the next ``iter(loader)``;
+        the current epoch, if any, is stopped.
+
+        Raises:
+            TypeError, ValueError: a state that is not one, or was saved by a loader
+                over another source, seed or shard.
+        """
+        order = None
+        if _is_map_style(self.source) and isinstance(state, dict) and isinstance(state.get("epoch"), int):
+            order = self.shard.order(len(self.source), self.shuffle, _order_seed(self.seed, state["epoch"]), self.drop_last)
+        checked = check_state(state, self._identity(), order)
+        if checked["position"] is not None and order is not None:
+            self._check_resumable()
+        self.close()
+        self._epoch = checked["epoch"]
+        self._resume = checked
+
+    def _identity(self) -> dict[str, Any]:
+        map_style = _is_map_style(self.source)
+        return {
+            "seed": self.seed, "rank": self.shard.rank, "world_size": self.shard.world_size,
+            "length": len(self.source) if map_style else None,
+        }
+
+    def _check_resumable(self) -> None:
+        """Map-style positions: what exact resume supports."""
+        why = None
+        if not self.deterministic:
+            why = "needs deterministic=True (otherwise the order depends on thread timing)"
+        elif self.echo_at != "example":
+            why = "is not supported with echo_at='batch'"
+        elif self.augment is not None:
+            why = "is not supported with augment (its output buffer is not checkpointed)"
+        if why:
+            raise ValueError(f"state_dict: saving a position mid-epoch {why}")
+
     def __len__(self) -> int:
-        """Batches per epoch, for a map-style source and an integer echo factor."""
+        """Batches per epoch (on this rank), for a map-style source and a fixed
+        echo factor: integer, or fractional with ``deterministic=True`` or several
+        ranks (whose echo counts are exact)."""
         if not _is_map_style(self.source):
             raise TypeError("len(): the source is an iterable of unknown length")
-        if self.echo_factor == "auto" or not float(self.echo_factor).is_integer():
+        fixed = self.echo_factor != "auto" and (float(self.echo_factor).is_integer() or self.exact_echo)
+        if not fixed:
             raise TypeError("len(): the number of batches is random with a fractional or 'auto' echo factor")
-        echo = int(self.echo_factor)
         rounding = math.floor if self.drop_last else math.ceil
+        examples = self.shard.per_rank(len(self.source), self.drop_last)
         if self.echo_at == "batch":
-            return rounding(len(self.source) / self.batch_size) * echo
-        return rounding(len(self.source) * echo / self.batch_size)
+            return exact_deliveries(rounding(examples / self.batch_size), float(self.echo_factor))
+        return rounding(exact_deliveries(examples, float(self.echo_factor)) / self.batch_size)
 
     def close(self) -> None:
         """Stops the current epoch's threads; iterating again starts a new epoch."""
@@ -297,8 +417,12 @@ class EchoLoader:
 class _Epoch:
     """One pass over the source: its threads, buffers and the consumer side."""
 
-    def __init__(self, loader: EchoLoader, epoch: int) -> None:
+    def __init__(self, loader: EchoLoader, epoch: int, resume: dict[str, Any] | None = None) -> None:
         self._loader = loader
+        self.epoch = epoch
+        self._resume = resume
+        self._replay: deque[np.ndarray] = deque()  # resumed: batches to yield first (rows' positions)
+        self._unyielded: deque[np.ndarray] = deque()  # taken from the buffer, not yet yielded
         self._failure = Failure()
         self._closed = False
         self._started = time.perf_counter()
@@ -307,7 +431,10 @@ class _Epoch:
         self._batches = 0
         self._mover = None
         self._exhausted = False
-        seeds = np.random.SeedSequence([loader.seed, epoch]).generate_state(4, dtype=np.uint64)
+        # The order seed is the same on every rank (so that shards are disjoint);
+        # the shuffle, echo and worker seeds differ per rank.
+        self._order_seed = _order_seed(loader.seed, epoch)
+        seeds = np.random.SeedSequence([loader.seed, epoch, loader.shard.rank]).generate_state(4, dtype=np.uint64)
         self._seeds = [int(s) for s in seeds]
         self._echo_buffer: ShuffleBuffer | None = None
         self._output_buffer: ShuffleBuffer | None = None
@@ -327,6 +454,18 @@ class _Epoch:
 
     def _start(self) -> None:
         loader = self._loader
+        map_style = _is_map_style(loader.source)
+        # The epoch's reading order: the same permutation on every rank (seeded by
+        # seed and epoch alone), of which this rank reads its shard.
+        self._order = (
+            loader.shard.order(len(loader.source), loader.shuffle, self._order_seed, loader.drop_last)
+            if map_style
+            else None
+        )
+        resume = self._resume
+        if resume is not None and not map_style:
+            # Iterable: read again from the start, dropping what was taken before.
+            self._iterator = itertools.islice(iter(loader.source), resume["skip"], None)
         first, start = self._first_example()
         if loader._structure is None:
             if first is _NOTHING:
@@ -334,33 +473,47 @@ class _Epoch:
                 return
             loader._structure = Structure.infer(first)
         structure = loader._structure
+        if resume is not None and map_style:
+            # The first example only told the structure; reading goes on where it stopped.
+            first, start = _NOTHING, resume["next_seq"]
+            self._replay.extend(resume["queued"])
+            if resume["ended"]:
+                self._echo_buffer = None
+                return
+        elif resume is not None:
+            start += resume["skip"]
         self._echo_buffer = self._make_echo_buffer(structure)
-        map_style = _is_map_style(loader.source)
+        if map_style:
+            # Positions of the order are claimed by producers (threads or
+            # processes) from a counter in the buffer's region; a position is
+            # also the example's sequence number for deterministic intake.
+            self._echo_buffer._core.set_index_range(start, len(self._order))
+            if resume is not None:
+                self._put_resident(resume)
+        if first is not _NOTHING and (map_style or loader.worker_type == "thread"):
+            self._echo_buffer._put_values(structure.flatten(first), seq=start - 1)
+        elif first is not _NOTHING:
+            start = 0  # worker processes each read their iterable from its start
         if loader.worker_type == "process":
-            if first is not _NOTHING and map_style:
-                self._echo_buffer._put_values(structure.flatten(first))
-            length = len(loader.source) if map_style else 0
             self._producers = ProcessProducers(
                 self._echo_buffer, structure, self._source_for_workers, loader.transform, loader.workers,
-                loader.start_method, map_style, (length, loader.shuffle, self._seeds[0], start),
-                self._seeds[1], self._failure, _weakly(self._abort),
+                loader.start_method, map_style, self._order, self._seeds[1], self._failure,
+                _weakly(self._abort),
             )
         else:
             self._producers = Producers(
                 self._echo_buffer, structure, loader.transform, loader.workers, self._failure, _weakly(self._abort)
             )
-            if first is not _NOTHING:
-                self._producers.put_first(first)
             if map_style:
-                order = epoch_order(len(loader.source), loader.shuffle, np.random.default_rng(self._seeds[0]), start)
-                self._producers.start_map(loader.source, order)
+                self._producers.start_map(loader.source, self._order)
             else:
-                self._producers.start_iterable(self._iterator)
+                self._producers.start_iterable(self._iterator, first_seq=start)
         upstream = self._echo_buffer._next_arrays
         if loader.echo_at == "batch":
             echo = None if loader.echo_factor == "auto" else float(loader.echo_factor)
             self._batch_echo = BatchEcho(
-                upstream, loader.shuffle_buffer, echo, loader.max_echo, np.random.default_rng(self._seeds[1])
+                upstream, loader.shuffle_buffer, echo, loader.max_echo, np.random.default_rng(self._seeds[1]),
+                exact=loader.exact_echo,
             )
             upstream = self._batch_echo.next_batch
         if loader.augment is not None:
@@ -372,6 +525,62 @@ class _Epoch:
             self._final = upstream
             self._final_structure = structure
 
+    def _restore_plan(self) -> dict[str, Any] | None:
+        resume = self._resume
+        if resume is None or self._order is None:
+            return None
+        plan = {key: resume[key] for key in ("batches", "rng_state", "next_seq", "available")}
+        return {**plan, "seqs": resume["positions"], "echoes": resume["echoes"]}
+
+    def position(self) -> dict[str, Any]:
+        """This epoch's position for state_dict() (see dataecho.checkpoint)."""
+        loader = self._loader
+        if self._order is None:
+            if loader.worker_type == "process":
+                raise ValueError(
+                    "state_dict: worker processes each read their own shard of an iterable source, "
+                    "so there is no single position to skip to; use a map-style source"
+                )
+            fresh = self._echo_buffer.stats()["fresh"] if self._echo_buffer is not None else 0
+            return {"skip": (self._resume["skip"] if self._resume else 0) + fresh}
+        loader._check_resumable()
+        if self._echo_buffer is not None:
+            snap = self._echo_buffer._snapshot()
+        else:  # nothing more to assemble
+            snap = {"batches": 0, "rng_state": 0, "next_seq": len(self._order), "available": 0,
+                    "seqs": [], "echoes": [], "queued": [], "ended": True}
+        positions = np.asarray(snap["seqs"], dtype=np.uint64)
+        return {
+            **{key: int(snap[key]) for key in ("batches", "rng_state", "next_seq", "available")},
+            "positions": positions,
+            "indices": np.asarray(self._order, dtype=np.int64)[positions.astype(np.int64)],
+            "echoes": np.asarray(snap["echoes"], dtype=np.uint32),
+            # In the order they will be yielded: taken ahead (on their way to the
+            # device), left over from a resume, then the buffer's.
+            "queued": [np.asarray(q, dtype=np.uint64) for q in (*self._unyielded, *self._replay, *snap["queued"])],
+            "ended": bool(snap["ended"]),
+        }
+
+    def _read(self, position: int) -> list:
+        """The example at `position` of this epoch's order, transformed and flattened."""
+        loader = self._loader
+        example = loader.source[int(self._order[position])]
+        if loader.transform is not None:
+            example = loader.transform(example)
+        return loader._structure.flatten(example)
+
+    def _put_resident(self, resume: dict[str, Any]) -> None:
+        """Resume: reads the resident examples again and puts them with their
+        numbers, before any producer starts (the buffer waits for all of them)."""
+        positions = sorted(int(p) for p in resume["positions"])
+        if not positions:
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(self._loader.workers, len(positions))) as pool:
+            for position, values in zip(positions, pool.map(self._read, positions)):
+                self._echo_buffer._put_values(values, seq=position)
+
     def _first_example(self) -> tuple[Any, int]:
         """Reads (and transforms) one example if the structure is not known yet.
 
@@ -380,14 +589,14 @@ class _Epoch:
         loader = self._loader
         # Worker processes get the source as it is before the parent reads from it.
         self._source_for_workers = _Pickled(loader.source) if loader.worker_type == "process" else None
-        self._iterator = None if _is_map_style(loader.source) else iter(loader.source)
+        if self._iterator is None and not _is_map_style(loader.source):
+            self._iterator = iter(loader.source)
         if loader._structure is not None:
             return _NOTHING, 0
         if self._iterator is None:
-            if len(loader.source) == 0:
+            if len(self._order) == 0:
                 return _NOTHING, 0
-            order = epoch_order(len(loader.source), loader.shuffle, np.random.default_rng(self._seeds[0]))
-            example = loader.source[next(order)]
+            example = loader.source[int(self._order[0])]
         else:
             example = next(self._iterator, _NOTHING)
             if example is _NOTHING:
@@ -414,6 +623,9 @@ class _Epoch:
             # shuffle behind them still grows to its capacity.
             initial=None if per_example else loader.batch_size,
             _shared=loader.worker_type == "process",
+            _deterministic=loader.deterministic,
+            _exact_echo=loader.exact_echo and per_example,
+            _restore=self._restore_plan(),
         )
         if loader.augment is None:
             self._pin(buffer)
@@ -429,6 +641,7 @@ class _Epoch:
             drop_last=loader.drop_last,
             prefetch=loader.prefetch,
             initial=loader.batch_size,
+            _deterministic=loader.deterministic,
         )
         self._pin(buffer)
         self._output_buffer = buffer
@@ -467,14 +680,25 @@ class _Epoch:
         finally:
             self._wait_s += time.perf_counter() - start
         self._batches += 1
+        if self._unyielded:
+            self._unyielded.popleft()
         return batch
 
     def _next_host(self) -> tuple[Structure, tuple[np.ndarray, ...]]:
+        if self._replay:
+            positions = self._replay.popleft()
+            arrays = _stack(self._loader._structure, [self._read(int(p)) for p in positions])
+            self._delivered += len(positions)
+            self._unyielded.append(positions)
+            return self._loader._structure, arrays
         if self._closed or self._echo_buffer is None:
             self._failure.raise_if_set()
             raise StopIteration
         try:
-            return self._next_from_stages()
+            structure, arrays = self._next_from_stages()
+            if self._loader.deterministic and self._final_structure is not None and self._augment is None:
+                self._unyielded.append(self._echo_buffer._core.last_seqs)
+            return structure, arrays
         except StopIteration:
             # The end, or a stage failed: either way the epoch is over. Its
             # threads and processes are stopped before the error reaches the loop.
@@ -596,6 +820,20 @@ def _weakly(method: Callable[..., Any], raise_if_gone: bool = False) -> Callable
         return None
 
     return call
+
+
+def _order_seed(seed: int, epoch: int) -> int:
+    """The seed of an epoch's reading order: the same on every rank."""
+    return int(np.random.SeedSequence([seed, epoch]).generate_state(1, dtype=np.uint64)[0])
+
+
+def _stack(structure: Structure, rows: list[list]) -> tuple[np.ndarray, ...]:
+    """A batch built from flattened examples as the buffer would gather it
+    (for the batches a resumed epoch yields first)."""
+    fields, _ = parse_fields(structure.fields())
+    return tuple(
+        np.stack([to_field_array(row[i], f, None, "resume") for row in rows]) for i, f in enumerate(fields)
+    )
 
 
 class _Pickled:

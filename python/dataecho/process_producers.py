@@ -67,7 +67,8 @@ class ProcessProducers:
         workers: processes.
         start_method: multiprocessing start method.
         map_style: ``source`` is indexed; else iterated by every worker.
-        order: (length, shuffle, order seed, first position) for map-style sources.
+        order: this rank's reading order of a map-style source (positions are
+            claimed from the buffer's counter, set by the caller), else None.
         seed: base for each worker's seed.
         failure, on_failure: where an error goes, and what stops the pipeline.
     """
@@ -81,7 +82,7 @@ class ProcessProducers:
         workers: int,
         start_method: str,
         map_style: bool,
-        order: tuple[int, bool, int, int],
+        order: Any,
         seed: int,
         failure: Failure,
         on_failure: Callable[[], None],
@@ -91,9 +92,6 @@ class ProcessProducers:
         self._on_failure = on_failure
         self._stop = threading.Event()
         self.workers = workers
-        length, shuffle, order_seed, begin = order
-        if map_style:
-            buffer._core.set_index_range(begin, length)
         context = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
             context.set_forkserver_preload(["dataecho._worker"])
@@ -101,7 +99,7 @@ class ProcessProducers:
         self._pipes: list[Any] = []
         self._monitor: threading.Thread | None = None
         try:
-            self._start(context, structure, source, transform, map_style, length, shuffle, order_seed, seed)
+            self._start(context, structure, source, transform, map_style, order, seed)
         except BaseException:
             # Ctrl-C (or a failed start) part-way: the workers already started stop too.
             buffer._abort()
@@ -110,7 +108,7 @@ class ProcessProducers:
 
     def _start(
         self, context: Any, structure: Structure, source: Any, transform: Callable[[Any], Any] | None,
-        map_style: bool, length: int, shuffle: bool, order_seed: int, seed: int,
+        map_style: bool, order: Any, seed: int,
     ) -> None:
         workers, buffer = self.workers, self._buffer
         for worker in range(workers):
@@ -124,9 +122,7 @@ class ProcessProducers:
                 num_workers=workers,
                 seed=(seed + 7919 * (worker + 1)) % (1 << 63),
                 map_style=map_style,
-                length=length,
-                shuffle=shuffle,
-                order_seed=order_seed,
+                order=order,
             )
             receiver, sender = context.Pipe(duplex=False)
             process = context.Process(

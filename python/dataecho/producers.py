@@ -8,11 +8,12 @@ through a small queue, so that the transform runs on all of them.
 
 from __future__ import annotations
 
-import itertools
 import queue
 import threading
 import time
 from typing import Any, Callable, Iterator
+
+import numpy as np
 
 from .buffer import ShuffleBuffer
 from .errors import BufferClosed
@@ -80,31 +81,34 @@ class Producers:
 
     # ---- starting ----
 
-    def start_map(self, source: Any, order: Iterator[int]) -> None:
-        """Reads ``source[i]`` for each i of ``order`` on every worker."""
-        lock = threading.Lock()
+    def start_map(self, source: Any, order: np.ndarray) -> None:
+        """Reads ``source[order[p]]`` on every worker, for each position p the
+        buffer's claim counter hands out (set by the caller); p is also the
+        example's sequence number."""
+        claim = self._buffer._core.claim_index
 
         def work() -> None:
             while not self._stop.is_set():
-                with lock:
-                    index = next(order, None)
-                if index is None:
+                position = claim()
+                if position < 0:
                     return
                 start = time.perf_counter()
-                self._put(source[index], start)
+                self._put(source[int(order[position])], start, position)
 
         self._spawn([work] * self._workers)
 
-    def start_iterable(self, iterator: Iterator[Any]) -> None:
-        """Reads ``iterator`` on one thread; transforms on ``workers`` threads."""
+    def start_iterable(self, iterator: Iterator[Any], first_seq: int = 0) -> None:
+        """Reads ``iterator`` on one thread; transforms on ``workers`` threads.
+        Examples are numbered in reading order from ``first_seq``."""
+        numbered = enumerate(iterator, first_seq)
         if self._transform is None:
 
             def read() -> None:
                 start = time.perf_counter()
-                for example in iterator:
+                for seq, example in numbered:
                     if self._stop.is_set():
                         return
-                    self._put(example, start)
+                    self._put(example, start, seq)
                     start = time.perf_counter()
 
             self._spawn([read])
@@ -113,8 +117,8 @@ class Producers:
 
         def read_and_hand_off() -> None:
             try:
-                for example in iterator:
-                    if not self._offer(handoff, example):
+                for item in numbered:
+                    if not self._offer(handoff, item):
                         return
             finally:
                 for _ in range(self._workers):
@@ -123,18 +127,15 @@ class Producers:
         def work() -> None:
             while not self._stop.is_set():
                 try:
-                    example = handoff.get(timeout=0.05)
+                    item = handoff.get(timeout=0.05)
                 except queue.Empty:
                     continue
-                if example is _END:
+                if item is _END:
                     return
-                self._put(example, time.perf_counter())
+                seq, example = item
+                self._put(example, time.perf_counter(), seq)
 
         self._spawn([read_and_hand_off] + [work] * self._workers)
-
-    def put_first(self, example: Any) -> None:
-        """Puts an example read (and transformed) by the caller."""
-        self._buffer._put_values(self._structure.flatten(example))
 
     # ---- stopping ----
 
@@ -181,14 +182,14 @@ class Producers:
         if last and not self._stop.is_set():
             self._buffer.close()
 
-    def _put(self, example: Any, started: float) -> None:
-        """Transforms and puts one example; `started` is when reading it began."""
+    def _put(self, example: Any, started: float, seq: int) -> None:
+        """Transforms and puts example number `seq`; `started` is when reading it began."""
         if self._transform is not None:
             example = self._transform(example)
         leaves = self._structure.flatten(example)
         counter = self._counters.setdefault(threading.get_ident(), [0, 0.0])
         counter[1] += time.perf_counter() - started
-        self._buffer._put_values(leaves)
+        self._buffer._put_values(leaves, seq=seq)
         counter[0] += 1
 
     def _offer(self, handoff: queue.Queue, item: Any) -> bool:
@@ -199,9 +200,3 @@ class Producers:
             except queue.Full:
                 continue
         return False
-
-
-def epoch_order(length: int, shuffle: bool, rng: Any, start: int = 0) -> Iterator[int]:
-    """Indices of one epoch over a map-style source, from position ``start``."""
-    order = rng.permutation(length) if shuffle else range(length)
-    return itertools.islice((int(i) for i in order), start, None)

@@ -123,6 +123,7 @@ class BatchPool : public std::enable_shared_from_this<BatchPool> {
 struct Batch {
   std::shared_ptr<BatchPool::Lease> lease;
   std::size_t rows = 0;
+  std::vector<std::uint64_t> seqs;  // each row's sequence number (for checkpoints)
 };
 
 }  // namespace dataecho

@@ -30,16 +30,20 @@ class Producer {
  public:
   Producer(ExampleLayout layout, RegionView region) : layout_(std::move(layout)), region_(region) {}
 
-  // Copies one example (one pointer per field) into a slot and commits it.
-  Status put(const void* const* fields, Deadline deadline) {
+  // Copies one example (one pointer per field) into a slot and commits it,
+  // tagged with sequence number `seq` (its position in the input, for
+  // deterministic intake; ignored otherwise).
+  Status put(const void* const* fields, Deadline deadline, std::uint64_t seq = 0) {
     std::size_t done = 0;
-    return put_rows(fields, 1, done, deadline, /*stacked=*/false);
+    return put_rows(fields, 1, done, deadline, /*stacked=*/false, seq);
   }
 
-  // Copies rows [done, n) of stacked per-field arrays; `done` advances as rows
-  // land, so a call interrupted by a timeout can be resumed where it stopped.
-  Status put_many(const void* const* fields, std::size_t n, std::size_t& done, Deadline deadline) {
-    return put_rows(fields, n, done, deadline, /*stacked=*/true);
+  // Copies rows [done, n) of stacked per-field arrays, row i tagged first_seq + i;
+  // `done` advances as rows land, so a call interrupted by a timeout can be
+  // resumed where it stopped.
+  Status put_many(const void* const* fields, std::size_t n, std::size_t& done, Deadline deadline,
+                  std::uint64_t first_seq = 0) {
+    return put_rows(fields, n, done, deadline, /*stacked=*/true, first_seq);
   }
 
   // Next position of the epoch's order for a map-style source, or -1 when all
@@ -69,12 +73,18 @@ class Producer {
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
   }
 
-  Status put_rows(const void* const* fields, std::size_t n, std::size_t& done, Deadline deadline, bool stacked) {
+  Status put_rows(const void* const* fields, std::size_t n, std::size_t& done, Deadline deadline, bool stacked,
+                  std::uint64_t first_seq) {
     RegionHeader& h = *region_.header;
     h.in_flight.fetch_add(1, std::memory_order_seq_cst);  // (I1)
     Status status = Status::kOk;
     const std::size_t start = done;
     while (done < n) {
+      const std::uint64_t seq = first_seq + (stacked ? done : 0);
+      if (h.window != 0) {
+        status = wait_for_window(seq, deadline);
+        if (status != Status::kOk) break;
+      }
       std::uint32_t slot;
       status = acquire_slot(slot, deadline);
       if (status != Status::kOk) break;
@@ -83,6 +93,7 @@ class Producer {
         layout_.scatter_row(fields, done, dst);
       else
         layout_.scatter(fields, dst);
+      region_.slot_seq[slot] = seq;  // published with the slot by the push below
       // Never full: it has a cell per slot, and its one popper (the assembler)
       // cannot be lapped while stalled, since that would need capacity + 1 slots.
       DATAECHO_CHECK(region_.committed->try_push(slot));
@@ -95,6 +106,22 @@ class Producer {
     if (h.in_flight.fetch_sub(1, std::memory_order_seq_cst) == 1 && h.closed.load(std::memory_order_seq_cst))
       region_.committed->not_empty().notify_all();
     return status;
+  }
+
+  // Deterministic intake: a put may take a slot only while its sequence number
+  // is within `window` of the next one the assembler needs, so that examples
+  // waiting out of order can never hold every slot (see shuffle_buffer.hpp).
+  Status wait_for_window(std::uint64_t seq, Deadline deadline) {
+    RegionHeader& h = *region_.header;
+    bool closed = false;
+    const bool ok = block_until(h.intake_advanced, deadline, [&] {
+      if (h.closed.load(std::memory_order_seq_cst)) return closed = true;
+      // seq_cst: the re-check load of the intake_advanced event count; pairs
+      // with the assembler's store of intake_seq.
+      return seq < h.intake_seq.load(std::memory_order_seq_cst) + h.window;
+    });
+    if (closed) return Status::kClosed;
+    return ok ? Status::kOk : Status::kTimeout;
   }
 
   Status acquire_slot(std::uint32_t& slot, Deadline deadline) {

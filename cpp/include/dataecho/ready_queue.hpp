@@ -11,7 +11,9 @@
 #pragma once
 
 #include <cstddef>
+#include <atomic>
 #include <deque>
+#include <vector>
 #include <exception>
 #include <mutex>
 
@@ -26,15 +28,29 @@ class ReadyQueue {
   // learn that the consumer has drained the queue (auto echo).
   explicit ReadyQueue(std::size_t limit, EventCount* on_pop = nullptr) : limit_(limit), on_pop_(on_pop) {}
 
-  // Assembler: waits until a batch may be added; false once stopped.
-  bool wait_for_room() {
+  // Assembler: waits until a batch may be added, or `interrupt` is set (then
+  // returns true as well; the caller re-checks); false once stopped.
+  bool wait_for_room(const std::atomic<bool>& interrupt) {
     bool stopped = false;
     block_until(room_, Deadline::never(), [&] {
+      // seq_cst: the re-check of a flag that poke() callers store seq_cst.
+      if (interrupt.load(std::memory_order_seq_cst)) return true;
       std::lock_guard<std::mutex> lock(mutex_);
       stopped = stopped_;
       return stopped_ || batches_.size() < limit_;
     });
     return !stopped;
+  }
+
+  // Wakes an assembler in wait_for_room (after its interrupt flag was set).
+  void poke() { room_.notify_all(); }
+
+  // The sequence numbers of each queued batch, oldest first.
+  std::vector<std::vector<std::uint64_t>> queued_seqs() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<std::vector<std::uint64_t>> seqs;
+    for (const Batch& batch : batches_) seqs.push_back(batch.seqs);
+    return seqs;
   }
 
   void push(Batch batch) {

@@ -1,7 +1,7 @@
 // The region: everything producers touch, in one block of memory that may be
 // private to the process or shared with worker processes.
 //
-//   [RegionHeader][free ring][committed ring][arena: capacity slots]
+//   [RegionHeader][free ring][committed ring][slot sequence numbers][arena: capacity slots]
 //
 // It holds no pointers, only offsets, sizes, 32- and 64-bit atomics and futex
 // words, so every process can map it at its own address. The header's first
@@ -20,11 +20,12 @@
 #include "dataecho/config.hpp"
 #include "dataecho/layout.hpp"
 #include "dataecho/ring.hpp"
+#include "dataecho/wait.hpp"
 
 namespace dataecho {
 
 inline constexpr std::uint64_t kRegionMagic = 0x6F68636561746164ull;  // "dataecho"
-inline constexpr std::uint64_t kRegionVersion = 1;
+inline constexpr std::uint64_t kRegionVersion = 2;
 inline constexpr std::size_t kMaxWorkers = 256;
 
 // Counters one producer (a worker process, say) keeps for stats(); written only
@@ -35,6 +36,8 @@ struct alignas(kCacheLine) WorkerCounters {
 };
 
 struct RegionHeader {
+  explicit RegionHeader(bool process_shared) : intake_advanced(process_shared) {}
+
   // Written once by the creator before the region is shared; read-only after.
   std::uint64_t magic = 0;
   std::uint64_t version = 0;
@@ -45,7 +48,12 @@ struct RegionHeader {
   std::uint64_t total_bytes = 0;
   std::uint64_t free_offset = 0;
   std::uint64_t committed_offset = 0;
+  std::uint64_t seq_offset = 0;
   std::uint64_t arena_offset = 0;
+  // Deterministic intake (0: off): a put with sequence number s waits until
+  // s < intake_seq + window, so that at most window - 1 examples wait, out of
+  // order, for an earlier one (see ShuffleBuffer's deterministic mode).
+  std::uint64_t window = 0;
 
   // closed: end of input (puts fail, the rest drains). stop: abandon at once.
   // 32-bit so that they are address-free everywhere.
@@ -58,6 +66,10 @@ struct RegionHeader {
   // of the epoch's order with fetch_add.
   alignas(kCacheLine) std::atomic<std::uint64_t> next_index{0};
   std::atomic<std::uint64_t> index_end{0};
+  // The next sequence number the assembler takes in (deterministic mode);
+  // stored by the assembler, read by producers waiting on the window.
+  alignas(kCacheLine) std::atomic<std::uint64_t> intake_seq{0};
+  EventCount intake_advanced;
   WorkerCounters workers[kMaxWorkers];
 };
 
@@ -69,6 +81,7 @@ struct RegionLayout {
   std::size_t ring_cells;
   std::size_t free_offset;
   std::size_t committed_offset;
+  std::size_t seq_offset;
   std::size_t arena_offset;
   std::size_t total_bytes;
   std::size_t align;
@@ -78,7 +91,9 @@ struct RegionLayout {
     align = layout.slot_align();
     free_offset = round_up(sizeof(RegionHeader), kCacheLine);
     committed_offset = free_offset + Ring::bytes(ring_cells);
-    arena_offset = round_up(committed_offset + Ring::bytes(ring_cells), align);
+    seq_offset = committed_offset + Ring::bytes(ring_cells);
+    if (capacity > (SIZE_MAX - seq_offset) / sizeof(std::uint64_t)) throw std::bad_alloc();
+    arena_offset = round_up(seq_offset + capacity * sizeof(std::uint64_t), align);
     if (capacity > (SIZE_MAX - arena_offset) / layout.slot_stride()) throw std::bad_alloc();
     total_bytes = arena_offset + capacity * layout.slot_stride();
   }
@@ -103,18 +118,29 @@ inline std::uint64_t layout_hash(const ExampleLayout& layout) {
   return h;
 }
 
+inline std::uint64_t* zeroed_u64(std::byte* at, std::size_t n) noexcept {
+  auto* words = reinterpret_cast<std::uint64_t*>(at);  // trivial type: implicitly created
+  std::fill_n(words, n, std::uint64_t{0});
+  return words;
+}
+
 // Views of the parts of a region; `base` must hold RegionLayout::total_bytes.
 struct RegionView {
   RegionHeader* header = nullptr;
   Ring* free = nullptr;
   Ring* committed = nullptr;
+  // The sequence number of the example in each slot: plain, written by the
+  // producer holding the slot before its commit (P2) and read by the assembler
+  // after its pop (C1).
+  std::uint64_t* slot_seq = nullptr;
   SlotArena arena;
 
   // Builds a new region in `base`: header, both rings, and every slot free.
   static RegionView create(std::byte* base, const ExampleLayout& layout, std::size_t capacity,
-                           bool process_shared) {
+                           bool process_shared, std::uint64_t window = 0) {
     const RegionLayout where(layout, capacity);
-    auto* header = new (base) RegionHeader;
+    auto* header = new (base) RegionHeader(process_shared);
+    header->window = window;
     header->capacity = capacity;
     header->ring_cells = where.ring_cells;
     header->slot_stride = layout.slot_stride();
@@ -122,9 +148,11 @@ struct RegionView {
     header->total_bytes = where.total_bytes;
     header->free_offset = where.free_offset;
     header->committed_offset = where.committed_offset;
+    header->seq_offset = where.seq_offset;
     header->arena_offset = where.arena_offset;
     RegionView view{header, Ring::create(base + where.free_offset, where.ring_cells, process_shared),
                     Ring::create(base + where.committed_offset, where.ring_cells, process_shared),
+                    zeroed_u64(base + where.seq_offset, capacity),
                     SlotArena(base + where.arena_offset, capacity, layout.slot_stride())};
     for (std::uint32_t slot = 0; slot < capacity; ++slot) DATAECHO_CHECK(view.free->try_push(slot));
     // Other processes attach only after they are started, which orders these
@@ -143,8 +171,10 @@ struct RegionView {
     if (header->layout_hash != layout_hash(layout) || header->total_bytes > bytes) return false;
     const RegionLayout where(layout, header->capacity);
     if (where.total_bytes != header->total_bytes || where.arena_offset != header->arena_offset) return false;
+    if (where.seq_offset != header->seq_offset) return false;
     out = {header, std::launder(reinterpret_cast<Ring*>(base + header->free_offset)),
            std::launder(reinterpret_cast<Ring*>(base + header->committed_offset)),
+           std::launder(reinterpret_cast<std::uint64_t*>(base + header->seq_offset)),
            SlotArena(base + header->arena_offset, header->capacity, header->slot_stride)};
     return true;
   }

@@ -90,6 +90,24 @@ class Reservoir {
     return take(fresh_ + rng.below(available_ - fresh_));
   }
 
+  // The resident slots in array order (draws depend on it) with their echo counts.
+  std::vector<std::pair<std::uint32_t, std::uint32_t>> contents() const {
+    std::vector<std::pair<std::uint32_t, std::uint32_t>> out;
+    for (std::size_t i = 0; i < size_; ++i) out.emplace_back(slots_[i], echoes_[slots_[i]]);
+    return out;
+  }
+
+  // Rebuilds an empty reservoir from contents() (with new slot numbers) and the
+  // available() it had; fixed echo only (nothing is fresh).
+  void restore(const std::vector<std::pair<std::uint32_t, std::uint32_t>>& contents, std::size_t available) {
+    DATAECHO_CHECK(size_ == 0 && contents.size() <= slots_.size() && available <= contents.size());
+    for (const auto& [slot, echoes] : contents) {
+      admit(slot, echoes);
+      slots_[size_++] = slot;
+    }
+    available_ = available;
+  }
+
   // Empties the reservoir, handing every resident slot to `on_slot`.
   template <class OnSlot>
   void clear(OnSlot&& on_slot) {

@@ -51,8 +51,10 @@
 #include <thread>
 #include <vector>
 
+#include <map>
 #include <optional>
 #include <string>
+#include <unordered_map>
 
 #include "dataecho/batch_pool.hpp"
 #include "dataecho/config.hpp"
@@ -65,6 +67,7 @@
 #include "dataecho/ring.hpp"
 #include "dataecho/rng.hpp"
 #include "dataecho/shared_memory.hpp"
+#include "dataecho/snapshot.hpp"
 #include "dataecho/wait.hpp"
 
 namespace dataecho {
@@ -80,6 +83,19 @@ struct BufferConfig {
   std::size_t prefetch = 2;
   std::size_t initial = 0;  // 0: see ShuffleBuffer::default_initial
   bool shared = false;      // the region in named shared memory, for worker processes
+  // Deterministic intake: examples enter the reservoir in the order of the
+  // sequence numbers their puts carry (0, 1, 2, ...), and the fractional part of
+  // the echo factor is spread by sequence number, so the output depends on the
+  // seed and the input alone, not on how many producers there are or their
+  // timing. Not with auto_echo, which depends on timing by design.
+  bool deterministic = false;
+  // Echo counts by sequence number (as in deterministic mode, see echoes_for),
+  // without reordering intake: the number of deliveries of n examples is then
+  // exact, which data-parallel ranks need to yield equally many batches.
+  bool exact_echo = false;
+  // Resume (deterministic only): the assembler starts from this state, once the
+  // resident examples it names have been put again with their numbers.
+  std::shared_ptr<const Snapshot> restore;
 };
 
 struct BufferStats {
@@ -114,6 +130,9 @@ class ShuffleBuffer {
         reservoir_(config_.capacity),
         rng_(config_.seed) {
     full_ = std::max({config_.batch_size, config_.capacity - config_.batch_size, config_.initial});
+    // relaxed: before any producer exists. Resumed puts of resident examples
+    // (numbered below next_seq) pass the intake window at once.
+    if (config_.restore) region_.header->intake_seq.store(config_.restore->next_seq, std::memory_order_relaxed);
     for (std::uint32_t slot = 0; slot < config_.capacity; ++slot) poison(region_.arena.slot(slot), layout_.slot_stride());
     assembler_ = std::thread([this] { assemble(); });
   }
@@ -144,6 +163,7 @@ class ShuffleBuffer {
     region_.header->closed.store(1, std::memory_order_seq_cst);  // condition store for every waiter below
     region_.free->not_empty().notify_all();
     region_.committed->not_empty().notify_all();
+    region_.header->intake_advanced.notify_all();  // producers waiting on the reorder window
   }
 
   // Abandon: like close(), but the assembler drops what is resident and exits,
@@ -182,6 +202,25 @@ class ShuffleBuffer {
   }
 
   // ---- consumer (one thread) ----
+
+  // Deterministic buffers: the state before the next batch to be assembled,
+  // with the batches assembled but not yet taken. Waits (until `deadline`) for
+  // the assembler to finish the batch it is on. kClosed once stopped.
+  Status snapshot(Snapshot& out, Deadline deadline) {
+    DATAECHO_CHECK(config_.deterministic);
+    if (stop_.load(std::memory_order_relaxed)) return Status::kClosed;  // relaxed: polled
+    desk_.request();
+    ready_.poke();
+    bool exited = false;
+    if (!desk_.wait(out, exited, deadline)) return Status::kTimeout;
+    if (exited) {
+      if (stop_.load(std::memory_order_relaxed)) return Status::kClosed;  // relaxed: polled
+      out = Snapshot{};
+      out.ended = true;
+      out.queued = ready_.queued_seqs();
+    }
+    return Status::kOk;
+  }
 
   // The next batch, kClosed at the end of the stream, or kTimeout.
   Status next(Batch& out, Deadline deadline) {
@@ -230,6 +269,13 @@ class ShuffleBuffer {
     DATAECHO_CHECK(config.prefetch >= 1 && layout.batch_size() == config.batch_size);
     DATAECHO_CHECK(config.echo_factor >= 1.0 && config.echo_factor < 4294967296.0);
     DATAECHO_CHECK(config.max_echo >= 1.0 && config.max_echo < 4294967296.0);
+    DATAECHO_CHECK(!((config.deterministic || config.exact_echo) && config.auto_echo));
+    if (config.restore) {
+      const Snapshot& s = *config.restore;
+      DATAECHO_CHECK(config.deterministic && s.seqs.size() == s.echoes.size() && s.seqs.size() <= config.capacity &&
+                     s.available <= s.seqs.size());
+      for (std::uint32_t echoes : s.echoes) DATAECHO_CHECK(echoes >= 1);
+    }
     if (config.initial == 0) config.initial = default_initial(config.capacity, config.batch_size);
     if (config.initial > config.capacity) config.initial = config.capacity;
     return config;
@@ -250,7 +296,12 @@ class ShuffleBuffer {
       private_ = Block::allocate(where.total_bytes, std::max(where.align, kCacheLine));
       base = private_.data();
     }
-    return RegionView::create(base, layout_, config_.capacity, config_.shared);
+    // The window: at most batch_size - 1 examples wait out of order for an
+    // earlier one. With the reservoir below its target (<= capacity - batch_size
+    // - 1 resident), that leaves at least two free slots, one for the example
+    // being waited for: intake cannot deadlock.
+    const std::uint64_t window = config_.deterministic ? config_.batch_size : 0;
+    return RegionView::create(base, layout_, config_.capacity, config_.shared, window);
   }
 
   static std::uint64_t elapsed_ns(Clock::time_point start) noexcept {
@@ -272,13 +323,62 @@ class ShuffleBuffer {
     return !got;
   }
 
+  // Takes a committed slot in (not deterministic): at once, with an echo count
+  // drawn from the RNG.
   void take_in(std::uint32_t slot) {
     std::uint32_t echoes = echo_base_;
-    if (echo_fraction_ > 0 && rng_.bernoulli(echo_fraction_)) ++echoes;
+    if (config_.exact_echo)
+      echoes = echoes_for(region_.slot_seq[slot]);
+    else if (echo_fraction_ > 0 && rng_.bernoulli(echo_fraction_))
+      ++echoes;
     if (config_.auto_echo)
       reservoir_.add_fresh(slot, echoes);  // echoes = its budget under max_echo
     else
       reservoir_.add(slot, echoes);
+  }
+
+  // Deterministic intake: committed slots wait in pending_ and enter the
+  // reservoir one at a time, in sequence order, so that how many are resident
+  // at each draw depends on counts alone. Admits the next one if it has come
+  // (or, once the input is over, the lowest, skipping a number whose put failed).
+  bool admit_next(bool input_over) {
+    if (pending_.empty()) return false;
+    const auto first = pending_.begin();
+    if (first->first > next_seq_ && !input_over) return false;
+    reservoir_.add(first->second, echoes_for(first->first));
+    next_seq_ = std::max(next_seq_, first->first + 1);
+    pending_.erase(first);
+    publish_intake();
+    return true;
+  }
+
+  void publish_intake() noexcept {
+    // seq_cst: the condition store for producers waiting on the window
+    // (Producer::wait_for_window); the notify below pairs with their re-check.
+    region_.header->intake_seq.store(next_seq_, std::memory_order_seq_cst);
+    region_.header->intake_advanced.notify_all();
+  }
+
+  // Deterministic echo count of the example numbered `seq`: floor(e), plus one
+  // for a share f = e - floor(e) of the numbers, spread evenly: exactly
+  // floor(n * f) of the first n numbers get the extra echo (a Beatty sequence),
+  // so the number of deliveries of n examples is known in advance.
+  std::uint32_t echoes_for(std::uint64_t seq) const noexcept {
+    const double f = echo_fraction_;
+    const auto step = static_cast<std::uint32_t>(std::floor(static_cast<double>(seq + 1) * f) -
+                                                 std::floor(static_cast<double>(seq) * f));
+    return echo_base_ + step;
+  }
+
+  // Waits for the next committed slot; false once stopped or the input finished.
+  bool next_committed(std::uint32_t& slot) {
+    bool got = false;
+    block_until(region_.committed->not_empty(), Deadline::never(), [&] {
+      if (region_.committed->try_pop(slot)) return got = true;
+      if (stop_.load(std::memory_order_seq_cst)) return true;
+      return input_finished(slot, got) || got;
+    });
+    return got;
   }
 
   // Takes in committed examples until `target` are resident. Returns false when
@@ -286,29 +386,89 @@ class ShuffleBuffer {
   bool fill(std::size_t target) {
     while (reservoir_.size() < target) {
       if (stop_.load(std::memory_order_relaxed)) return false;  // relaxed: polled; exit is best-effort prompt
+      if (config_.deterministic && admit_next(/*input_over=*/false)) continue;
       std::uint32_t slot;
-      bool got = false;
-      block_until(region_.committed->not_empty(), Deadline::never(), [&] {
-        if (region_.committed->try_pop(slot)) return got = true;
-        if (stop_.load(std::memory_order_seq_cst)) return true;
-        return input_finished(slot, got) || got;
-      });
-      if (!got) return false;
-      take_in(slot);
+      if (!next_committed(slot)) {
+        if (config_.deterministic && admit_next(/*input_over=*/true)) continue;
+        return false;
+      }
+      if (config_.deterministic)
+        pending_.emplace(region_.slot_seq[slot], slot);
+      else
+        take_in(slot);
     }
     return true;
   }
 
   void assemble() noexcept {
     try {
-      for (std::uint64_t k = 0;; ++k) {
-        if (!ready_.wait_for_room()) return;  // stopped
+      std::uint64_t k = 0;
+      if (config_.restore) {
+        if (!restore(*config_.restore)) return desk_.exited();  // stopped
+        k = config_.restore->batches;
+      }
+      for (;; ++k) {
+        bool room;
+        do {  // a snapshot is taken between batches, also while waiting for room
+          if (desk_.wanted()) desk_.serve(capture(k));
+          room = ready_.wait_for_room(desk_.wanted_flag());
+        } while (room && desk_.wanted());
+        if (!room) break;  // stopped
         const bool more = config_.auto_echo ? assemble_auto(k) : assemble_fixed(k);
-        if (!more) return;
+        if (!more) break;
       }
     } catch (...) {
       ready_.finish(std::current_exception());
     }
+    desk_.exited();
+  }
+
+  // The state before batch k (see snapshot.hpp). Deterministic mode: nothing is
+  // pending that is not re-read on resume (pending_ holds numbers >= next_seq_).
+  Snapshot capture(std::uint64_t k) const {
+    Snapshot s;
+    s.batches = k;
+    s.rng_state = rng_.state();
+    s.next_seq = next_seq_;
+    s.available = reservoir_.available();
+    for (const auto& [slot, echoes] : reservoir_.contents()) {
+      s.seqs.push_back(region_.slot_seq[slot]);
+      s.echoes.push_back(echoes);
+    }
+    s.queued = ready_.queued_seqs();
+    return s;
+  }
+
+  // Resume: takes in committed examples until every resident one of `s` has
+  // come (later numbers wait in pending_ as usual), then rebuilds the reservoir
+  // in its order, the RNG and the intake position. False if stopped first.
+  bool restore(const Snapshot& s) {
+    std::unordered_map<std::uint64_t, std::uint32_t> slot_of;
+    while (slot_of.size() < s.seqs.size()) {
+      std::uint32_t slot;
+      const bool got = next_committed(slot);
+      if (stop_.load(std::memory_order_relaxed)) return false;  // relaxed: polled
+      if (!got) throw std::runtime_error("resume: the input ended before every resident example was put again");
+      const std::uint64_t seq = region_.slot_seq[slot];
+      if (seq >= s.next_seq) {
+        pending_.emplace(seq, slot);
+      } else if (!slot_of.emplace(seq, slot).second) {
+        throw std::runtime_error("resume: example " + std::to_string(seq) + " was put twice");
+      }
+    }
+    std::vector<std::pair<std::uint32_t, std::uint32_t>> contents;
+    for (std::size_t i = 0; i < s.seqs.size(); ++i) {
+      const auto found = slot_of.find(s.seqs[i]);
+      if (found == slot_of.end())
+        throw std::runtime_error("resume: example " + std::to_string(s.seqs[i]) + " was not put again");
+      contents.emplace_back(found->second, s.echoes[i]);
+    }
+    reservoir_.restore(contents, s.available);
+    rng_.set_state(s.rng_state);
+    next_seq_ = s.next_seq;
+    publish_intake();
+    publish_resident();
+    return true;
   }
 
   // Fixed echo factor: fill to the target, then draw uniformly. Returns false at the end.
@@ -322,7 +482,7 @@ class ShuffleBuffer {
       rows = static_cast<std::size_t>(reservoir_.echoes_left());
       if (rows == 0 || config_.drop_last) return finish();
     }
-    Batch batch{pool_->lease(), rows};
+    Batch batch{pool_->lease(), rows, {}};
     reservoir_.begin_batch();
     for (std::size_t row = 0; row < rows; ++row) gather_row(reservoir_.draw(rng_), batch, row);
     push(std::move(batch));
@@ -343,7 +503,7 @@ class ShuffleBuffer {
     if (stop_.load(std::memory_order_relaxed)) return false;  // relaxed: polled
     reservoir_.begin_batch();
     make_room();
-    Batch batch{pool_->lease(), 0};
+    Batch batch{pool_->lease(), 0, {}};
     std::size_t row = 0;
     std::uint32_t slot;
     bool got = false;
@@ -399,6 +559,7 @@ class ShuffleBuffer {
 
   void gather_row(Reservoir::Draw draw, Batch& batch, std::size_t row) {
     layout_.gather(region_.arena.slot(draw.slot), batch.lease->data(), row);
+    if (config_.deterministic) batch.seqs.push_back(region_.slot_seq[draw.slot]);  // for snapshots
     if (draw.last) release_slot(draw.slot);
   }
 
@@ -452,6 +613,9 @@ class ShuffleBuffer {
   // Assembler-owned.
   Reservoir reservoir_;
   Rng rng_;
+  std::uint64_t next_seq_ = 0;                         // deterministic intake: next number taken in
+  std::multimap<std::uint64_t, std::uint32_t> pending_;  // ... and those that came early (seq -> slot)
+  SnapshotDesk desk_;
 
   alignas(kCacheLine) std::atomic<bool> stop_{false};
   alignas(kCacheLine) std::atomic<std::uint64_t> delivered_{0};

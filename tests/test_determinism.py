@@ -1,0 +1,79 @@
+"""deterministic=True: the delivered sequence depends on (seed, epoch, rank,
+world_size) alone, not on the number or kind of workers or their timing."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import pytest
+import workloads
+
+import dataecho
+
+
+class Jittery(workloads.Indexed):
+    """Reads that take a random (unseeded) time, so thread timing varies run to run."""
+
+    def __getitem__(self, i):
+        if random.random() < 0.05:
+            time.sleep(0.002)
+        return super().__getitem__(i)
+
+
+def ids(**kwargs):
+    args = {"batch_size": 32, "echo_factor": 1.5, "seed": 11, "deterministic": True}
+    args.update(kwargs)
+    loader = dataecho.EchoLoader(args.pop("source", Jittery(3000)), **args)
+    return [b["id"].tolist() for b in loader], loader
+
+
+def test_same_batches_for_any_number_of_threads():
+    reference, loader = ids(workers=1)
+    for workers in (2, 5):
+        assert ids(workers=workers)[0] == reference
+    assert len(reference) == len(loader)
+    assert sum(map(len, reference)) == 3000 + 1500, "exactly floor(n * 0.5) examples get the extra echo"
+
+
+def test_same_batches_with_process_workers():
+    reference, _ = ids(workers=1, source=workloads.Indexed(2000))
+    assert ids(workers=2, worker_type="process", source=workloads.Indexed(2000))[0] == reference
+
+
+def test_same_batches_with_augment_and_batch_echo():
+    def augment(example):  # deterministic per example
+        return {"id": example["id"], "x": example["x"] * 2}
+
+    for kwargs in ({"augment": augment}, {"echo_at": "batch", "echo_factor": 2.5}):
+        assert ids(workers=1, **kwargs)[0] == ids(workers=4, **kwargs)[0]
+
+
+def test_iterable_source_with_transform_workers():
+    def double(x):
+        return x * 2
+
+    def run(workers):
+        loader = dataecho.EchoLoader(iter(range(2000)), batch_size=32, echo_factor=2, transform=double,
+                                     workers=workers, seed=2, deterministic=True)
+        return np.concatenate(list(loader)).tolist()
+
+    assert run(1) == run(4)
+
+
+def test_seed_and_epoch_change_the_sequence():
+    reference, _ = ids(workers=2)
+    assert ids(workers=2, seed=12)[0] != reference
+    loader = dataecho.EchoLoader(Jittery(3000), batch_size=32, echo_factor=1.5, seed=11, deterministic=True, workers=3)
+    first = [b["id"].tolist() for b in loader]
+    second = [b["id"].tolist() for b in loader]
+    assert first == reference, "epoch 0 is the same whatever the worker count"
+    assert second != first, "the next epoch has its own order"
+
+
+def test_deterministic_refuses_auto():
+    with pytest.raises(ValueError, match="echo_factor: 'auto'.*deterministic"):
+        dataecho.EchoLoader(range(10), echo_factor="auto", deterministic=True)
+    with pytest.raises(ValueError, match="deterministic: worker processes"):
+        dataecho.EchoLoader(workloads.Sharded(10), deterministic=True, worker_type="process")
