@@ -1,0 +1,122 @@
+"""What deterministic=True costs, and what resuming costs.
+
+1. Throughput: the same EchoLoader with ``deterministic=False`` and ``True``, in
+   one run, interleaved, for a fast source (64 B and 12 KiB examples, where the
+   loader itself is the bottleneck) with thread and process workers. Rates are
+   delivered examples per second after a warm-up; the table prints the ratio
+   deterministic / default (1.0 = free).
+2. Resume: ``state_dict()`` taken mid-epoch, its pickled size, and the time from
+   ``load_state_dict()`` to the first batch, against the time a fresh epoch takes
+   to its first batch (both re-read what they need; a resumed epoch re-reads the
+   resident examples, up to ``shuffle_buffer``).
+
+Usage:
+    python bench/bench_determinism.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import dataecho
+
+
+class Records:
+    """Map-style dataset of `nbytes` examples (rows of a small pool) and an id."""
+
+    def __init__(self, n: int, nbytes: int) -> None:
+        self.n = n
+        self.pool = np.random.default_rng(0).integers(0, 256, (16, nbytes), dtype=np.uint8)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.pool[i % 16], "id": i}
+
+
+def loader(nbytes: int, deterministic: bool, worker_type: str, n: int) -> dataecho.EchoLoader:
+    return dataecho.EchoLoader(
+        Records(n, nbytes), batch_size=256, echo_factor=2, shuffle_buffer=4096, workers=2, seed=0,
+        deterministic=deterministic, worker_type=worker_type,
+    )
+
+
+def rate(nbytes: int, deterministic: bool, worker_type: str, n: int, warmup: int = 4) -> float:
+    """Delivered examples per second over one epoch, after `warmup` batches."""
+    epoch = iter(loader(nbytes, deterministic, worker_type, n))
+    for _ in range(warmup):
+        next(epoch)
+    start, rows = time.perf_counter(), 0
+    for batch in epoch:
+        rows += len(batch["id"])
+    return rows / (time.perf_counter() - start)
+
+
+def first_batch_s(make, state=None) -> float:
+    loader = make()
+    start = time.perf_counter()
+    if state is not None:
+        loader.load_state_dict(state)
+    next(iter(loader))
+    elapsed = time.perf_counter() - start
+    loader.close()
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer examples and rounds")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    n, rounds = (20_000, 1) if args.quick else (100_000, 3)
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {sys.version.split()[0]}, "
+          f"dataecho {dataecho.__version__}")
+    print("# throughput: delivered examples/s, median of interleaved rounds; ratio = deterministic / default")
+    print(f"{'workload':<28}{'default':>12}{'determ.':>12}{'ratio':>8}")
+    results: dict = {"throughput": {}, "resume": {}}
+    for worker_type in ("thread", "process"):
+        for nbytes in (64, 12 << 10):
+            samples: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(rounds):
+                for deterministic in (False, True):
+                    samples[deterministic].append(rate(nbytes, deterministic, worker_type, n))
+            base, det = (statistics.median(samples[d]) for d in (False, True))
+            name = f"{worker_type}, {nbytes} B"
+            results["throughput"][name] = {"default": base, "deterministic": det, "ratio": det / base}
+            print(f"{name:<28}{base:>12,.0f}{det:>12,.0f}{det / base:>8.2f}")
+
+    def make():
+        return loader(12 << 10, True, "thread", n)
+
+    source = make()
+    epoch = iter(source)
+    for _ in range(len(source) // 2):  # mid-epoch
+        next(epoch)
+    state = source.state_dict()
+    source.close()
+    size = len(pickle.dumps(state))
+    fresh = statistics.median(first_batch_s(make) for _ in range(rounds))
+    resumed = statistics.median(first_batch_s(make, state) for _ in range(rounds))
+    resident = len(state["position"]["positions"])
+    results["resume"] = {"state_bytes": size, "resident": resident, "fresh_first_batch_s": fresh,
+                         "resumed_first_batch_s": resumed}
+    print(f"# resume mid-epoch (12 KiB, shuffle_buffer 4096): state {size:,} bytes for {resident} resident "
+          f"examples; first batch after load {resumed * 1e3:.0f} ms vs a fresh epoch's {fresh * 1e3:.0f} ms "
+          f"({resumed / fresh:.2f}x)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
