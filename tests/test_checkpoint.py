@@ -171,3 +171,15 @@ def test_bad_states_and_unsupported_loaders_are_refused():
         with pytest.raises(ValueError, match=match):
             loader.state_dict()
         epoch.close()
+
+
+def test_resume_with_batches_on_their_way_to_the_device():
+    # device= keeps one batch in flight ahead of the one yielded: the state puts
+    # it first among the batches still to come.
+    pytest.importorskip("torch")
+    kwargs = {"device": "cpu", "output": "torch"}
+    reference = run(make(**kwargs))
+    for cut in (1, 3, len(reference) // 3):
+        taken, state = take_then_save(make(**kwargs), cut)
+        assert len(state["position"]["queued"]) >= 1
+        assert taken + resume(state, **kwargs) == reference, f"resumed after batch {cut}"
