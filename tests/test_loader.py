@@ -43,6 +43,16 @@ def dataecho_threads():
     return [t for t in threading.enumerate() if t.name.startswith("dataecho-")]
 
 
+@pytest.fixture(autouse=True)
+def no_threads_from_earlier_tests():
+    # An epoch dropped without close() stops its threads without joining them;
+    # let those of earlier tests end, so that each test sees only its own.
+    deadline = time.monotonic() + 5
+    while dataecho_threads() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    yield
+
+
 # ---- placements ----
 
 
