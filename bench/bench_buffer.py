@@ -257,6 +257,24 @@ def run_two_copy_limit(case: Case, echo: float, src: np.ndarray, seconds: float)
     return {"ex_s": min(rates["gather"], echo * rates["copy_in"]), **rates}
 
 
+def draw_batch(entries: list[list], batch_size: int, rng: random.Random) -> list:
+    """The hand-written baseline's batch: up to ``batch_size`` rows drawn uniformly
+    without replacement from ``entries`` (``[row, deliveries left]``, updated in
+    place; an entry leaves when its deliveries are spent)."""
+    rows, again = [], []
+    for _ in range(min(batch_size, len(entries))):
+        i = rng.randrange(len(entries))
+        entry = entries[i]
+        entries[i] = entries[-1]
+        entries.pop()
+        rows.append(entry[0])
+        entry[1] -= 1
+        if entry[1]:
+            again.append(entry)
+    entries.extend(again)
+    return rows
+
+
 def run_baseline(case: Case, echo: float, src: np.ndarray, seconds: float) -> dict:
     """Runs the hand-written queue + list shuffle buffer for about ``seconds``.
 
@@ -295,18 +313,7 @@ def run_baseline(case: Case, echo: float, src: np.ndarray, seconds: float) -> di
                     closed = True
                 else:
                     entries.append([row, whole + (rng.random() < frac)])
-            rows, again = [], []
-            for _ in range(min(case.batch_size, len(entries))):
-                i = rng.randrange(len(entries))
-                entry = entries[i]
-                entries[i] = entries[-1]
-                entries.pop()
-                rows.append(entry[0])
-                entry[1] -= 1
-                if entry[1]:
-                    again.append(entry)
-            entries.extend(again)
-            outbox.put(np.stack(rows))
+            outbox.put(np.stack(draw_batch(entries, case.batch_size, rng)))
         outbox.put(None)
 
     threads = [threading.Thread(target=f, name=f"baseline-{f.__name__}") for f in (produce, assemble)]

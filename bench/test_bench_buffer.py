@@ -56,6 +56,12 @@ def ids_of(batch) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(batch)[:, :8]).view("<u8").ravel()
 
 
+def check_queue(inbox: queue.Queue) -> None:
+    """Every example came through the queue exactly once, and nothing more."""
+    assert_each(ids_of(np.stack([inbox.get_nowait() for _ in range(N)])), 1)
+    assert inbox.empty()
+
+
 def assert_each(ids: list[np.ndarray] | np.ndarray, times: int) -> None:
     """Every id in ``range(N)`` occurs exactly ``times`` times."""
     counts = np.bincount(np.concatenate(ids) if isinstance(ids, list) else ids, minlength=N)
@@ -106,11 +112,7 @@ def test_put_baseline(benchmark, size, src):
         for row in rows:
             inbox.put(row)
 
-    def check(inbox):
-        assert_each(ids_of(np.stack([inbox.get_nowait() for _ in range(N)])), 1)
-        assert inbox.empty()
-
-    timed(benchmark, put_all, setup=lambda: ((queue.Queue(maxsize=N),), {}), teardown=check)
+    timed(benchmark, put_all, setup=lambda: ((queue.Queue(maxsize=N),), {}), teardown=check_queue)
     per_example(benchmark)
 
 
@@ -139,11 +141,7 @@ def test_put_many_baseline(benchmark, size, src):
             for row in chunk:
                 inbox.put(row)
 
-    def check(inbox):
-        assert_each(ids_of(np.stack([inbox.get_nowait() for _ in range(N)])), 1)
-        assert inbox.empty()
-
-    timed(benchmark, put_all, setup=lambda: ((queue.Queue(maxsize=N),), {}), teardown=check)
+    timed(benchmark, put_all, setup=lambda: ((queue.Queue(maxsize=N),), {}), teardown=check_queue)
     per_example(benchmark)
 
 
@@ -196,18 +194,7 @@ def baseline_batches(entries: list[list], batch_size: int, rng: random.Random) -
     """
     out = []
     while entries:
-        rows, again = [], []
-        for _ in range(min(batch_size, len(entries))):
-            i = rng.randrange(len(entries))
-            entry = entries[i]
-            entries[i] = entries[-1]
-            entries.pop()
-            rows.append(entry[0])
-            entry[1] -= 1
-            if entry[1]:
-                again.append(entry)
-        entries.extend(again)
-        out.append(ids_of(np.stack(rows)))
+        out.append(ids_of(np.stack(bench_buffer.draw_batch(entries, batch_size, rng))))
     return out
 
 

@@ -422,7 +422,8 @@ class _Epoch:
         self.epoch = epoch
         self._resume = resume
         self._replay: deque[np.ndarray] = deque()  # resumed: batches to yield first (rows' positions)
-        self._unyielded: deque[np.ndarray] = deque()  # taken from the buffer, not yet yielded
+        self._replayed: np.ndarray | None = None  # the last batch's positions, if it was replayed
+        self._in_flight: deque[np.ndarray] = deque()  # device=: rows' positions of batches not yet yielded
         self._failure = Failure()
         self._closed = False
         self._started = time.perf_counter()
@@ -557,17 +558,18 @@ class _Epoch:
             "echoes": np.asarray(snap["echoes"], dtype=np.uint32),
             # In the order they will be yielded: taken ahead (on their way to the
             # device), left over from a resume, then the buffer's.
-            "queued": [np.asarray(q, dtype=np.uint64) for q in (*self._unyielded, *self._replay, *snap["queued"])],
+            "queued": [np.asarray(q, dtype=np.uint64) for q in (*self._in_flight, *self._replay, *snap["queued"])],
             "ended": bool(snap["ended"]),
         }
 
     def _read(self, position: int) -> list:
         """The example at `position` of this epoch's order, transformed and flattened."""
-        loader = self._loader
-        example = loader.source[int(self._order[position])]
-        if loader.transform is not None:
-            example = loader.transform(example)
-        return loader._structure.flatten(example)
+        example = self._loader.source[int(self._order[position])]
+        return self._loader._structure.flatten(self._transformed(example))
+
+    def _transformed(self, example: Any) -> Any:
+        transform = self._loader.transform
+        return example if transform is None else transform(example)
 
     def _put_resident(self, resume: dict[str, Any]) -> None:
         """Resume: reads the resident examples again and puts them with their
@@ -601,9 +603,7 @@ class _Epoch:
             example = next(self._iterator, _NOTHING)
             if example is _NOTHING:
                 return _NOTHING, 0
-        if loader.transform is not None:
-            example = loader.transform(example)
-        return example, 1
+        return self._transformed(example), 1
 
     def _make_echo_buffer(self, structure: Structure) -> ShuffleBuffer:
         loader = self._loader
@@ -680,8 +680,6 @@ class _Epoch:
         finally:
             self._wait_s += time.perf_counter() - start
         self._batches += 1
-        if self._unyielded:
-            self._unyielded.popleft()
         return batch
 
     def _next_host(self) -> tuple[Structure, tuple[np.ndarray, ...]]:
@@ -689,16 +687,14 @@ class _Epoch:
             positions = self._replay.popleft()
             arrays = _stack(self._loader._structure, [self._read(int(p)) for p in positions])
             self._delivered += len(positions)
-            self._unyielded.append(positions)
+            self._replayed = positions
             return self._loader._structure, arrays
         if self._closed or self._echo_buffer is None:
             self._failure.raise_if_set()
             raise StopIteration
         try:
-            structure, arrays = self._next_from_stages()
-            if self._loader.deterministic and self._final_structure is not None and self._augment is None:
-                self._unyielded.append(self._echo_buffer._core.last_seqs)
-            return structure, arrays
+            self._replayed = None
+            return self._next_from_stages()
         except StopIteration:
             # The end, or a stage failed: either way the epoch is over. Its
             # threads and processes are stopped before the error reaches the loop.
@@ -739,11 +735,17 @@ class _Epoch:
             except StopIteration:
                 self._exhausted = True
                 break
+            if self._loader.deterministic:  # taken ahead: state_dict() lists their rows first
+                self._in_flight.append(
+                    self._replayed if self._replayed is not None else self._echo_buffer._core.last_seqs
+                )
             host = [to_torch(a) for a in arrays]
             self._mover.submit(host, on_done=host.clear)
             self._pending_structure = structure
         if len(self._mover) == 0:
             raise StopIteration
+        if self._in_flight:
+            self._in_flight.popleft()
         return self._pending_structure.unflatten(self._mover.take())
 
     # ---- shutting down ----

@@ -483,6 +483,7 @@ class ShuffleBuffer {
       if (rows == 0 || config_.drop_last) return finish();
     }
     Batch batch{pool_->lease(), rows, {}};
+    if (config_.deterministic) batch.seqs.reserve(rows);  // one allocation per batch, not per row
     reservoir_.begin_batch();
     for (std::size_t row = 0; row < rows; ++row) gather_row(reservoir_.draw(rng_), batch, row);
     push(std::move(batch));

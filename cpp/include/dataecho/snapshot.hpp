@@ -77,11 +77,6 @@ class SnapshotDesk {
     served_cv_.notify_all();
   }
 
-  bool has_exited() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return exited_;
-  }
-
  private:
   std::mutex mutex_;
   std::condition_variable served_cv_;
