@@ -128,12 +128,12 @@ def test_batch_echo_yields_each_batch_e_times_never_twice_in_a_row(seed):
 
 
 def test_batch_echo_with_augment_augments_each_delivery(seed):
-    noise = np.random.default_rng(seed)
+    stamps = itertools.count()
     lock = threading.Lock()
 
     def augment(ex):
-        with lock:
-            return {"id": ex["id"], "x": ex["x"] + noise.random(3).astype(np.float32)}
+        with lock:  # each call gets its own stamp: two deliveries never share one
+            return {**ex, "stamp": next(stamps)}
 
     loader = dataecho.EchoLoader(
         Records(640), batch_size=32, echo_factor=2, echo_at="batch", augment=augment, seed=seed
@@ -141,11 +141,13 @@ def test_batch_echo_with_augment_augments_each_delivery(seed):
     batches = list(loader)
     seen = ids_of(batches)
     assert sorted(seen) == list(range(640)) and set(seen.values()) == {2}
-    xs = {}
+    stamps_of = {}
     for b in batches:
-        for i, x in zip(b["id"].tolist(), b["x"][:, 0].tolist()):
-            xs.setdefault(i, []).append(x)
-    assert all(len(set(v)) == 2 for v in xs.values())
+        assert np.array_equal(b["x"], np.repeat(b["id"][:, None], 3, axis=1).astype(np.float32))
+        for i, s in zip(b["id"].tolist(), b["stamp"].tolist()):
+            stamps_of.setdefault(i, []).append(s)
+    assert all(len(set(s)) == 2 for s in stamps_of.values()), "each delivery is augmented anew"
+    assert sorted(itertools.chain.from_iterable(stamps_of.values())) == list(range(1280))
 
 
 # ---- echo factors ----
