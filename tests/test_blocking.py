@@ -184,27 +184,25 @@ CTRL_C_NEXT = """
 
 @pytest.mark.parametrize("script", [CTRL_C_PUT, CTRL_C_NEXT], ids=["put", "next"])
 def test_ctrl_c_interrupts_a_blocked_call(script):
-    proc = subprocess.Popen(
+    with subprocess.Popen(
         [sys.executable, "-u", "-c", textwrap.dedent(script)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-    )
-    try:
-        assert proc.stdout.readline().strip() == "blocked"
-        time.sleep(0.3)  # let it park in native code
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        line = proc.stdout.readline().split()
-        latency = time.monotonic() - sent
-        # Read the rest through the same file object: readline() may already
-        # hold the next line in its buffer, which communicate() would not see.
-        proc.wait(timeout=10)
-        rest, err = proc.stdout.read(), proc.stderr.read()
-    finally:
-        proc.kill()
-        proc.stdout.close()
-        proc.stderr.close()
+    ) as proc:  # closes the pipes on the way out
+        try:
+            assert proc.stdout.readline().strip() == "blocked"
+            time.sleep(0.3)  # let it park in native code
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            line = proc.stdout.readline().split()
+            latency = time.monotonic() - sent
+            # Read the rest through the same file object: readline() may already
+            # hold the next line in its buffer, which communicate() would not see.
+            proc.wait(timeout=10)
+            rest, err = proc.stdout.read(), proc.stderr.read()
+        finally:
+            proc.kill()
     assert line[:1] == ["interrupted"], err
     assert latency < 0.5, latency
     assert proc.returncode == 0, err
