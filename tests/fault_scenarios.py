@@ -146,7 +146,7 @@ def check_buffer_totals(buf: dataecho.ShuffleBuffer, accepted: int, delivered: C
     stats = buf.stats()
     assert stats["fresh"] == accepted, (stats["fresh"], accepted)
     assert stats["delivered"] == sum(delivered.values()), (stats["delivered"], sum(delivered.values()))
-    assert buf._core.free_slots == buf.capacity, (buf._core.free_slots, buf.capacity)
+    assert buf.stats()["free_slots"] == buf.capacity, (buf.stats()["free_slots"], buf.capacity)
 
 
 class Task(threading.Thread):
@@ -930,7 +930,7 @@ def sigint_buffer(rng: random.Random, variant: str, seed: int) -> None:
     if variant in ("next", "for"):
         assert len(accepted) == resident, (len(accepted), resident)
         # The buffer still works: more input, then everything accepted comes out.
-        more = np.arange(1_000_000, 1_000_000 + min(rng.randint(0, capacity), buf._core.free_slots))
+        more = np.arange(1_000_000, 1_000_000 + min(rng.randint(0, capacity), buf.stats()["free_slots"]))
         if len(more):
             buf.put_many(examples(more))
         accepted += more.tolist()
@@ -1409,7 +1409,7 @@ def timeout_scenario(rng: random.Random, variant: str, seed: int) -> None:
         if variant == "next":
             # Input up to what is surely free (nobody else puts), then the consumer
             # takes batches until none is ready in time.
-            chunk = [next(ids) for _ in range(min(rng.randint(1, capacity), buf._core.free_slots))]
+            chunk = [next(ids) for _ in range(min(rng.randint(1, capacity), buf.stats()["free_slots"]))]
             if chunk:
                 buf.put_many(examples(chunk), timeout=10)
             ledger.add(chunk)

@@ -167,7 +167,11 @@ def test_read_only_and_byte_swapped_inputs_are_accepted():
 
 
 def test_private_module_misuse_raises_instead_of_crashing():
-    core = make()._core
+    from dataecho import _core
+
+    config = _core.BufferConfig()
+    config.capacity, config.batch_size = 8, 4
+    core = _core.Buffer([((2, 3), np.dtype(np.uint8)), ((), np.dtype(np.int64))], config)
     with pytest.raises(TypeError):
         core.put((np.zeros((2, 3), np.uint8), np.zeros((), np.int64)), None)  # tuple, not list
     with pytest.raises(ValueError):

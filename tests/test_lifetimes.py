@@ -28,7 +28,7 @@ def test_batches_are_views_owned_by_a_lease(seed):
 
 def test_large_examples_are_page_aligned_in_batches(seed):
     buf = dataecho.ShuffleBuffer(((5000,), "uint8"), capacity=8, batch_size=4, seed=seed)
-    assert buf._core.slot_stride % 4096 == 0
+    assert buf.slot_bytes % 4096 == 0
     buf.put_many(np.zeros((8, 5000), np.uint8))
     batch = buf.next_batch(timeout=5)
     assert batch.ctypes.data % 4096 == 0
@@ -46,7 +46,7 @@ def test_kept_batches_stay_unchanged_while_the_buffer_keeps_cycling(seed):
         snapshots.append((batch["id"].copy(), batch["payload"].copy()))
     join_all(threads)
     # The pool grew instead of recycling memory that kept batches still see.
-    assert buf._core.batch_blocks_allocated >= len(kept)
+    assert buf.stats()["batch_blocks"] >= len(kept)
     for batch, (ids, payload) in zip(kept, snapshots):
         np.testing.assert_array_equal(batch["id"], ids)
         np.testing.assert_array_equal(batch["payload"], payload)
@@ -79,7 +79,7 @@ def test_released_batches_are_recycled(seed):
     assert len(batches) > 1000
     # prefetch queued + one being assembled + one held by the consumer, with
     # slack for the consumer's previous batch not yet collected.
-    assert buf._core.batch_blocks_allocated <= 2 + 1 + 2
+    assert buf.stats()["batch_blocks"] <= 2 + 1 + 2
 
 
 def test_batches_outlive_the_buffer(seed):

@@ -195,11 +195,11 @@ def dict_phase(duration):
     counts = np.bincount(np.concatenate(delivered), minlength=int(produced.max()) + 1)
     assert (counts[produced] == ECHO).all(), "an id was lost or duplicated"
     assert counts.sum() == ECHO * len(produced)
-    assert buf._core.free_slots == CAPACITY
+    assert buf.stats()["free_slots"] == CAPACITY
     assert recycled > 100, f"only {recycled} batches came from recycled blocks"
     return (f"dict buffer: {batches} batches, {len(produced)} ids x{ECHO}, {recycled} recycled blocks "
             f"poisoned where unwritten, up to {kept.most} views kept, {kept.checks} checks of them, "
-            f"{buf._core.batch_blocks_allocated} blocks allocated")
+            f"{buf.stats()["batch_blocks"]} blocks allocated")
 
 
 def single_phase(duration):

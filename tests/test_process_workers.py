@@ -20,6 +20,8 @@ import workloads
 from processes import descendants
 
 import dataecho
+from dataecho.buffer import NativeBuffer, buffer_config
+from dataecho.fields import parse_fields
 
 TESTS = str(Path(__file__).parent)
 
@@ -217,4 +219,4 @@ def test_a_region_larger_than_dev_shm_is_a_clear_error():
     too_big = free.f_bavail * free.f_frsize + (64 << 20)
     slots = too_big // (1 << 20) + 1
     with pytest.raises(RuntimeError, match="cannot reserve .* in /dev/shm"):
-        dataecho.ShuffleBuffer(((1 << 20,), "uint8"), capacity=slots, batch_size=1, _shared=True)
+        NativeBuffer(parse_fields(((1 << 20,), "uint8"))[0], buffer_config(capacity=slots, batch_size=1, shared=True))

@@ -173,7 +173,7 @@ def buffer_round(echo: float, seed: int, n: int, producers: int = 3, keep: int =
     assert set(seen.values()) <= allowed, f"echo {echo}: counts {Counter(seen.values())}"
     stats = buf.stats()
     assert stats["fresh"] == n and stats["delivered"] == delivered == sum(seen.values())
-    assert stats["resident"] == 0 and buf._core.free_slots == buf.capacity
+    assert stats["resident"] == 0 and buf.stats()["free_slots"] == buf.capacity
     return delivered
 
 

@@ -22,6 +22,16 @@ namespace dataecho::py_binding {
 
 namespace py = pybind11;
 
+// The Python members of _core.Status (an enum.IntEnum), looked up once when the
+// module is initialized: casting a Status by value goes through the Python enum
+// type's constructor, which costs about half a microsecond per put. Strong
+// references, kept for the life of the process (the module is never unloaded).
+inline py::handle g_status_objects[3];
+
+inline py::object status_object(Status status) {
+  return py::reinterpret_borrow<py::object>(g_status_objects[static_cast<int>(status)]);
+}
+
 // How long a native wait runs before the GIL is retaken to check for signals.
 inline constexpr double kSignalCheckSeconds = 0.05;
 

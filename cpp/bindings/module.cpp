@@ -4,6 +4,7 @@
 #include "dataecho/memory.hpp"
 
 namespace dataecho::py_binding {
+void register_types(pybind11::module_& m);
 void register_buffer(pybind11::module_& m);
 void register_producer(pybind11::module_& m);
 }
@@ -16,6 +17,7 @@ PYBIND11_MODULE(_core, m) {
   m.attr("POISON") = false;
 #endif
   m.attr("POISON_BYTE") = static_cast<int>(dataecho::kPoisonByte);
+  dataecho::py_binding::register_types(m);
   dataecho::py_binding::register_buffer(m);
   dataecho::py_binding::register_producer(m);
 }

@@ -30,19 +30,19 @@ class PyProducer {
   }
 
   // `arrays` is borrowed (see blocking.hpp): the caller's list keeps it alive.
-  int put(py::handle arrays, std::optional<double> timeout_s, std::uint64_t seq) {
+  py::object put(py::handle arrays, std::optional<double> timeout_s, std::uint64_t seq) {
     const auto pointers = field_pointers(specs_, arrays, std::nullopt);
-    return static_cast<int>(
+    return status_object(
         call_blocking([&](Deadline d) { return producer_->put(pointers.data(), d, seq); }, timeout_s));
   }
 
-  std::pair<int, std::size_t> put_many(py::handle arrays, std::size_t n, std::optional<double> timeout_s,
+  std::pair<py::object, std::size_t> put_many(py::handle arrays, std::size_t n, std::optional<double> timeout_s,
                                        std::uint64_t first_seq) {
     const auto pointers = field_pointers(specs_, arrays, n);
     std::size_t done = 0;
     const Status status = call_blocking(
         [&](Deadline d) { return producer_->put_many(pointers.data(), n, done, d, first_seq); }, timeout_s);
-    return {static_cast<int>(status), done};
+    return {status_object(status), done};
   }
 
   Producer& producer() { return *producer_; }

@@ -888,8 +888,8 @@ Consumer run_buffer(const BufferRun& run, bool record_order = false) {
             "delivered " << stats.delivered << " + dropped " << stats.dropped);
   // Every slot is back once everything is delivered: none leaked.
   CHECK_MSG(buf.free_slots() == run.capacity, "free slots " << buf.free_slots() << " of " << run.capacity);
-  CHECK_MSG(buf.batch_blocks_allocated() <= config.prefetch + 2, "batch blocks allocated "
-                                                                     << buf.batch_blocks_allocated()
+  CHECK_MSG(buf.stats().batch_blocks <= config.prefetch + 2, "batch blocks allocated "
+                                                                  << buf.stats().batch_blocks
                                                                      << " with prefetch " << config.prefetch);
   if (run.drop_last) {
     CHECK_MSG(!consumer.short_seen, "drop_last delivered a short batch");
@@ -1036,37 +1036,69 @@ Status put_seq(ShuffleBuffer& buf, std::uint64_t id) {
   return buf.producer().put(fields, Deadline::never(), id);  // the id is the sequence number
 }
 
+// Holds back puts of ids at or above `limit` until opened: starves the
+// assembler mid-stream, so that a snapshot is asked for while it waits for input.
+struct Gate {
+  std::mutex mutex;
+  std::condition_variable opened;
+  std::uint64_t limit = UINT64_MAX;
+
+  void pass(std::uint64_t id) {
+    std::unique_lock<std::mutex> lock(mutex);
+    opened.wait(lock, [&] { return id < limit; });
+  }
+  void open() {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      limit = UINT64_MAX;
+    }
+    opened.notify_all();
+  }
+};
+
 // Four producers claim ids from `next` up to the end and put them; the last closes.
 void produce(Threads& threads, ShuffleBuffer& buf, std::atomic<std::uint64_t>& next, std::uint64_t end,
-             std::atomic<int>& running) {
+             std::atomic<int>& running, Gate* gate = nullptr) {
   for (int p = 0; p < 4; ++p)
-    threads.spawn([&buf, &next, &running, end] {  // `end` by value: this function returns first
+    threads.spawn([&buf, &next, &running, end, gate] {  // `end` by value: this function returns first
       for (;;) {
         // relaxed: the counter only hands out distinct ids.
         const std::uint64_t id = next.fetch_add(1, std::memory_order_relaxed);
-        if (id >= end || put_seq(buf, id) != Status::kOk) break;
+        if (id >= end) break;
+        if (gate != nullptr) gate->pass(id);
+        if (put_seq(buf, id) != Status::kOk) break;
       }
       if (running.fetch_sub(1, std::memory_order_acq_rel) == 1) buf.close();
     });
 }
 
 // The ids of the first `stop_after` batches (all of them when 0), and a
-// snapshot after them when asked.
-std::vector<std::uint64_t> run(const Plan& plan, std::size_t stop_after, Snapshot* snapshot) {
+// snapshot after them when asked. With `starve_at`, only ids below it are put
+// until the snapshot: the consumer takes batches until none comes for a while
+// (the assembler is waiting for input), and the snapshot is taken then.
+std::vector<std::uint64_t> run(const Plan& plan, std::size_t stop_after, Snapshot* snapshot,
+                               std::uint64_t starve_at = 0) {
   ShuffleBuffer buf(id_layout(plan.batch), config_of(plan));
   Consumer consumer(buf, plan.items);
   std::atomic<std::uint64_t> next{0};
   std::atomic<int> running{4};
-  Threads threads([&] { buf.stop(); });
-  produce(threads, buf, next, plan.items, running);
+  Gate gate;
+  if (starve_at > 0) gate.limit = starve_at;
+  Threads threads([&] {
+    gate.open();
+    buf.stop();
+  });
+  produce(threads, buf, next, plan.items, running, &gate);
   Batch batch;
   while (stop_after == 0 || consumer.batches < stop_after) {
-    const Status st = buf.next(batch, Deadline::after_seconds(g_options.timeout_s));
-    if (st == Status::kClosed) break;
+    const double wait_s = starve_at > 0 ? 0.2 : g_options.timeout_s;
+    const Status st = buf.next(batch, Deadline::after_seconds(wait_s));
+    if (st == Status::kClosed || (st == Status::kTimeout && starve_at > 0)) break;
     CHECK_MSG(st == Status::kOk, "next() returned status " << static_cast<int>(st));
     consumer.take(batch, true);
   }
   if (snapshot) CHECK(buf.snapshot(*snapshot, Deadline::after_seconds(g_options.timeout_s)) == Status::kOk);
+  gate.open();
   buf.stop();
   threads.join();
   return consumer.order;
@@ -1114,8 +1146,25 @@ std::string test_buffer_snapshot() {
       ++resumes;
     }
   }
+  // Snapshots while the assembler waits for input part-way through filling for
+  // a batch: served there (not only between batches), and as good.
+  std::size_t starved = 0;
+  for (const Plan& plan : plans) {
+    const std::vector<std::uint64_t> reference = run(plan, 0, nullptr);
+    for (std::uint64_t starve_at : {plan.capacity / 2 + 1, n / 3, n / 2 + 7}) {
+      Snapshot snapshot;
+      std::vector<std::uint64_t> order = run(plan, 0, &snapshot, starve_at);
+      CHECK_MSG(!snapshot.ended, "the stream ended before the input was released");
+      const std::vector<std::uint64_t> rest = resume(plan, snapshot);
+      order.insert(order.end(), rest.begin(), rest.end());
+      CHECK_MSG(order == reference, "capacity " << plan.capacity << ", batch " << plan.batch << ": resumed from "
+                                                << "a snapshot taken with ids below " << starve_at << " differs");
+      ++starved;
+    }
+  }
   std::ostringstream s;
-  s << "4 producers, deterministic order; " << resumes << " resumes from snapshots, each equal to the uninterrupted run";
+  s << "4 producers, deterministic order; " << resumes << " resumes from snapshots between batches and " << starved
+    << " taken while waiting for input, each equal to the uninterrupted run";
   return s.str();
 }
 

@@ -8,6 +8,8 @@ import operator
 import secrets
 from typing import Any
 
+from . import _core
+
 _UINT64 = 1 << 64
 
 
@@ -42,6 +44,15 @@ def real(name: str, value: Any, minimum: float, maximum: float) -> float:
     if not math.isfinite(number) or not minimum <= number < maximum:
         raise ValueError(f"{name}: expected a finite number in [{minimum:g}, {maximum:g}), got {value!r}")
     return number
+
+
+def echo_factor(value: Any, name: str = "echo_factor") -> float | str:
+    """A number in [1, _core.MAX_ECHO), or the string "auto"."""
+    if isinstance(value, str):
+        if value != "auto":
+            raise ValueError(f"{name}: expected a number >= 1 or 'auto', got {value!r}")
+        return "auto"
+    return real(name, value, 1.0, _core.MAX_ECHO)
 
 
 def choice(name: str, value: Any, options: tuple[str, ...]) -> str:

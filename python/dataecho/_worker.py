@@ -24,7 +24,7 @@ from . import _core
 from .fields import Field, to_field_array
 from .structure import Structure
 
-_OK, _CLOSED = 0, 1
+_OK, _CLOSED = _core.Status.OK, _core.Status.CLOSED
 _REPORT_EVERY_S = 0.1
 
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .buffer import ShuffleBuffer
+from .buffer import NativeBuffer
 from .errors import BufferClosed
 from .producers import Failure
 from .structure import Structure, read_only
@@ -42,7 +42,7 @@ class AugmentStage:
         structure: Structure,
         augment: Callable[[Any], Any],
         workers: int,
-        make_output: Callable[[Structure], ShuffleBuffer],
+        make_output: Callable[[Structure], NativeBuffer],
         failure: Failure,
         on_failure: Callable[[], None],
     ) -> None:
@@ -58,7 +58,7 @@ class AugmentStage:
         self._running = workers
         self._rows_taken = 0  # numbers the examples in upstream order (deterministic intake)
         self.ready = threading.Event()  # set once `output` exists or nothing will come
-        self.output: ShuffleBuffer | None = None
+        self.output: NativeBuffer | None = None
         self.out_structure: Structure | None = None
         self._threads = [
             threading.Thread(target=self._run, name=f"dataecho-augment-{i}", daemon=True) for i in range(workers)
@@ -73,7 +73,7 @@ class AugmentStage:
             self._stop.set()
             output = self.output
         if output is not None:
-            output._abort()
+            output.abort()
         self.ready.set()
 
     def join(self, timeout_s: float) -> None:
@@ -109,9 +109,9 @@ class AugmentStage:
                 example = self._structure.unflatten([v[row] for v in views])
                 result = self._augment(example)
                 output = self.output or self._create_output(result)
-                output._put_values(self.out_structure.flatten(result), seq=first_seq + row)
+                output.put_values(self.out_structure.flatten(result), seq=first_seq + row)
 
-    def _create_output(self, first_result: Any) -> ShuffleBuffer:
+    def _create_output(self, first_result: Any) -> NativeBuffer:
         with self._setup:
             if self._stop.is_set():
                 raise BufferClosed("the epoch was stopped")

@@ -1,4 +1,11 @@
-"""``ShuffleBuffer``: the native echo-aware shuffle buffer, with a NumPy face."""
+"""The native echo-aware shuffle buffer, in two faces.
+
+``ShuffleBuffer`` is the public one: it validates every argument and example,
+naming what is wrong, and keeps to one consumer thread. ``NativeBuffer`` is
+what dataecho's own pipeline stages use: named methods over the compiled
+buffer, for callers that hand it a validated configuration and converted
+arrays.
+"""
 
 from __future__ import annotations
 
@@ -15,12 +22,185 @@ from .errors import BufferClosed
 from .fields import Field, parse_fields, to_field_array
 from .structure import key_mismatch
 
-__all__ = ["ShuffleBuffer"]
+__all__ = ["NativeBuffer", "ShuffleBuffer", "buffer_config"]
 
-_OK, _CLOSED, _TIMEOUT = 0, 1, 2
-_MAX_CAPACITY = 1 << 31
-_MAX_ECHO = float(1 << 32)
-_live: weakref.WeakSet[ShuffleBuffer] = weakref.WeakSet()
+_OK, _CLOSED, _TIMEOUT = _core.Status.OK, _core.Status.CLOSED, _core.Status.TIMEOUT
+_STATS = ("fresh", "delivered", "batches", "dropped", "evicted", "resident", "free_slots", "batch_blocks",
+          "producer_wait_s", "consumer_wait_s")
+_live: weakref.WeakSet[NativeBuffer] = weakref.WeakSet()
+
+
+def buffer_config(**values: Any) -> _core.BufferConfig:
+    """A ``_core.BufferConfig`` with the given fields set (the rest default)."""
+    config = _core.BufferConfig()
+    for name, value in values.items():
+        setattr(config, name, value)
+    return config
+
+
+class NativeBuffer:
+    """The compiled buffer for dataecho's stages: puts, batches, snapshots.
+
+    Arguments are not checked here beyond what memory safety needs: callers
+    pass a configuration built from validated arguments (``_core`` aborts the
+    process on one that breaks its invariants) and, to ``put_arrays``, arrays
+    already converted to the fields.
+
+    Args:
+        fields: the example's fields.
+        config: the buffer's configuration.
+        restore: a snapshot to resume from (deterministic buffers).
+    """
+
+    def __init__(self, fields: list[Field], config: _core.BufferConfig, restore: _core.Snapshot | None = None):
+        self.fields = fields
+        try:
+            self._core = _core.Buffer([(f.shape, f.dtype) for f in fields], config, restore)
+        except MemoryError:
+            example = sum(f.nbytes for f in fields)
+            raise MemoryError(
+                f"capacity: cannot allocate {config.capacity} slots of {example} bytes "
+                f"({config.capacity * example / 2**30:.1f} GiB); lower capacity"
+            ) from None
+        self._pid = os.getpid()
+        self.forked = False  # set in a forked child by _forget_after_fork: no syscall per call
+        _live.add(self)
+
+    # ---- producers ----
+
+    def put_values(self, values: list, timeout_s: float | None = None, seq: int = 0) -> None:
+        """Puts one example given as one value per field (converted here);
+        ``seq`` is its position in the input, for deterministic intake."""
+        self.put_arrays([to_field_array(v, f, None, "put()") for v, f in zip(values, self.fields)], timeout_s, seq)
+
+    def put_arrays(self, arrays: list[np.ndarray], timeout_s: float | None = None, seq: int = 0) -> None:
+        """Puts one example given as one converted array per field."""
+        self.check_process()
+        status = self._core.put(arrays, timeout_s, seq)
+        if status == _CLOSED:
+            raise BufferClosed("put(): the ShuffleBuffer is closed")
+        if status == _TIMEOUT:
+            raise TimeoutError(f"put(): no free slot within {timeout_s} s")
+
+    def put_many_arrays(self, arrays: list[np.ndarray], rows: int, timeout_s: float | None = None) -> None:
+        """Puts `rows` stacked examples; on failure the exception's
+        ``examples_put`` says how many went in."""
+        self.check_process()
+        status, done = self._core.put_many(arrays, rows, timeout_s, 0)
+        if status != _OK:
+            raise _put_many_error(status, done, rows, timeout_s)
+
+    def claim_index(self) -> int:
+        """The next position of a map-style order to read, or -1 when all are claimed."""
+        return self._core.claim_index()
+
+    def set_index_range(self, begin: int, end: int) -> None:
+        """Positions [begin, end) are to be claimed (before any producer starts)."""
+        self._core.set_index_range(begin, end)
+
+    def close(self) -> None:
+        """Ends the input: later puts fail; what is resident drains, then the stream ends."""
+        if not self.forked:
+            self._core.close()
+
+    def abort(self) -> None:
+        """Stops at once: blocked producers get BufferClosed, the consumer the end,
+        and what is resident is dropped. For pipelines shutting down."""
+        if not self.forked:
+            self._core.stop()
+
+    # ---- worker processes ----
+
+    @property
+    def region_name(self) -> str:
+        """The shared region's name for worker processes ("" once unlinked, or private)."""
+        return self._core.region_name
+
+    def unlink_region(self) -> None:
+        """Removes the shared region's name (every worker has mapped it, or none will)."""
+        self._core.unlink_region()
+
+    def worker_counters(self, workers: int) -> list[tuple[int, int]]:
+        """(examples produced, busy nanoseconds) of each worker process."""
+        return self._core.worker_counters(workers)
+
+    # ---- consumer ----
+
+    def next_arrays(self, timeout_s: float | None = None) -> tuple[np.ndarray, ...]:
+        """The next batch, one array per field. Raises StopIteration at the end
+        and TimeoutError when ``timeout_s`` passes first."""
+        self.check_process()
+        status, arrays = self._core.next(timeout_s)
+        if status == _OK:
+            return arrays
+        if status == _CLOSED:
+            raise StopIteration
+        raise TimeoutError(f"next_batch(): no batch within {timeout_s} s")
+
+    @property
+    def last_seqs(self) -> np.ndarray:
+        """Deterministic buffers: each row's sequence number, for the last batch."""
+        return self._core.last_seqs
+
+    def snapshot(self, timeout_s: float | None = None) -> _core.Snapshot:
+        """Deterministic buffers: the state before the next batch to be assembled
+        (see checkpoint.hpp), with the rows of the batches assembled but not taken."""
+        self.check_process()
+        status, state = self._core.snapshot(timeout_s)
+        if status == _CLOSED:
+            raise BufferClosed("state: the ShuffleBuffer was stopped")
+        if status == _TIMEOUT:
+            raise TimeoutError(f"state: the batch being assembled did not finish within {timeout_s} s")
+        return state
+
+    # ---- memory and counters ----
+
+    def stats(self) -> dict[str, Any]:
+        """The native counters as a dict (see ShuffleBuffer.stats)."""
+        self.check_process()
+        native = self._core.stats()
+        return {name: getattr(native, name) for name in _STATS}
+
+    @property
+    def batch_bytes(self) -> int:
+        """Bytes of one batch's memory block."""
+        return self._core.batch_bytes
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes each slot takes in the arena, alignment included."""
+        return self._core.slot_stride
+
+    @property
+    def initial(self) -> int:
+        """Resident examples needed before the first batch."""
+        return self._core.initial
+
+    def add_batch_memory(self, address: int, nbytes: int, owner: Any) -> None:
+        """Hands a block of batch memory (page-locked, say) to the pool; `owner`
+        is kept alive for as long as the pool may use the block."""
+        self._core.add_batch_memory(address, nbytes, owner)
+
+    def check_process(self) -> None:
+        """Raises in a forked child: the buffer belongs to the parent."""
+        if self.forked:
+            raise RuntimeError(
+                f"ShuffleBuffer was created in process {self._pid} and cannot be used in a forked "
+                f"child ({os.getpid()}); create the buffer in the process that uses it"
+            )
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: the child has no assembler thread; leak the core
+        instead of joining it."""
+        self.forked = True
+        self._core.abandon_after_fork()
+
+    def shut_down(self) -> None:
+        """At interpreter exit: release blocked producers, stop the assembler and
+        remove a shared-memory name still linked (workers that never attached)."""
+        if not self.forked:
+            self._core.stop()
+            self._core.unlink_region()
 
 
 class ShuffleBuffer:
@@ -61,78 +241,43 @@ class ShuffleBuffer:
         fields: Any,
         capacity: int = 4096,
         batch_size: int = 256,
-        echo_factor: float = 1.0,
+        echo_factor: float | str = 1.0,
         seed: int | None = None,
         drop_last: bool = False,
         prefetch: int = 2,
         initial: int | None = None,
         max_echo: float = 4.0,
-        _shared: bool = False,
-        _deterministic: bool = False,
-        _exact_echo: bool = False,
-        _restore: dict | None = None,
     ) -> None:
         self._fields, self._single = parse_fields(fields)
-        capacity = _checks.positive_int("capacity", capacity, _MAX_CAPACITY)
+        capacity = _checks.positive_int("capacity", capacity, _core.MAX_CAPACITY)
         batch_size = _checks.positive_int("batch_size", batch_size)
         if batch_size > capacity:
             raise ValueError(f"batch_size: {batch_size} is larger than capacity {capacity}")
-        auto_echo = isinstance(echo_factor, str)
-        if auto_echo and echo_factor != "auto":
-            raise ValueError(f"echo_factor: expected a number >= 1 or 'auto', got {echo_factor!r}")
-        if auto_echo and (_deterministic or _exact_echo):
-            raise ValueError("echo_factor: 'auto' depends on timing, so it cannot be deterministic")
-        echo_factor = 1.0 if auto_echo else _checks.real("echo_factor", echo_factor, 1.0, _MAX_ECHO)
-        max_echo = _checks.real("max_echo", max_echo, 1.0, _MAX_ECHO)
-        drop_last = _checks.flag("drop_last", drop_last)
-        prefetch = _checks.positive_int("prefetch", prefetch, 1 << 16)
+        auto_echo = _checks.echo_factor(echo_factor) == "auto"
+        echo = 1.0 if auto_echo else float(echo_factor)
+        max_echo = _checks.real("max_echo", max_echo, 1.0, _core.MAX_ECHO)
         if initial is not None:
             initial = _checks.positive_int("initial", initial, capacity)
         self._check_sizes(capacity, batch_size)
-        try:
-            self._core = _core.Buffer(
-                [(f.shape, f.dtype) for f in self._fields],
-                capacity,
-                batch_size,
-                echo_factor,
-                auto_echo,
-                max_echo,
-                _checks.seed(seed),
-                drop_last,
-                prefetch,
-                initial or 0,
-                _shared,
-                _deterministic,
-                _exact_echo,
-                _restore,
-            )
-        except MemoryError:
-            example = sum(f.nbytes for f in self._fields)
-            raise MemoryError(
-                f"capacity: cannot allocate {capacity} slots of {example} bytes "
-                f"({capacity * example / 2**30:.1f} GiB); lower capacity"
-            ) from None
-        self.capacity = capacity
-        self.batch_size = batch_size
-        self.echo_factor: float | str = "auto" if auto_echo else echo_factor
-        self.max_echo = max_echo
-        self.drop_last = drop_last
-        self.prefetch = prefetch
-        self.initial = int(self._core.initial)
+        config = buffer_config(
+            capacity=capacity, batch_size=batch_size, echo_factor=echo, auto_echo=auto_echo, max_echo=max_echo,
+            seed=_checks.seed(seed), drop_last=_checks.flag("drop_last", drop_last),
+            prefetch=_checks.positive_int("prefetch", prefetch, 1 << 16), initial=initial or 0,
+        )
+        self._native = NativeBuffer(self._fields, config)
+        self.capacity, self.batch_size, self.max_echo = capacity, batch_size, max_echo
+        self.echo_factor: float | str = "auto" if auto_echo else echo
+        self.drop_last, self.prefetch = config.drop_last, config.prefetch
+        self.initial = self._native.initial
         self._names = [f.name for f in self._fields]
         self._closed = False
-        self._pid = os.getpid()
-        self._forked = False  # set in a forked child by _forget_after_fork: no syscall per call
         self._consumer = threading.Lock()
-        _live.add(self)
 
     def _check_sizes(self, capacity: int, batch_size: int) -> None:
         example = sum(f.nbytes for f in self._fields)
         for what, count in (("capacity", capacity), ("batch_size", batch_size)):
             if example * count > 1 << 62:
-                raise ValueError(
-                    f"{what}: {count} examples of {example} bytes overflow the addressable size"
-                )
+                raise ValueError(f"{what}: {count} examples of {example} bytes overflow the addressable size")
 
     @property
     def fields(self) -> list[Field]:
@@ -143,6 +288,12 @@ class ShuffleBuffer:
     def closed(self) -> bool:
         """True once ``close()`` has been called."""
         return self._closed
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes each resident example takes, alignment included (64-byte slots,
+        4096-byte ones for examples of 4 KiB or more)."""
+        return self._native.slot_bytes
 
     # ---- producers ----
 
@@ -159,22 +310,8 @@ class ShuffleBuffer:
             TimeoutError: no slot became free in time.
             TypeError, ValueError, OverflowError: the example does not fit.
         """
-        self._check_process()
-        self._put_arrays(self._arrays(example, None, "put()"), timeout)
-
-    def _put_values(self, values: list, timeout: float | None = None, seq: int = 0) -> None:
-        """Like ``put``, for an example already flattened to one value per field;
-        ``seq`` is its position in the input, for deterministic intake."""
-        self._check_process()
-        arrays = [to_field_array(v, f, None, "put()") for v, f in zip(values, self._fields)]
-        self._put_arrays(arrays, timeout, seq)
-
-    def _put_arrays(self, arrays: list[np.ndarray], timeout: float | None, seq: int = 0) -> None:
-        status = self._core.put(arrays, _checks.timeout(timeout), seq)
-        if status == _CLOSED:
-            raise BufferClosed("put(): the ShuffleBuffer is closed")
-        if status == _TIMEOUT:
-            raise TimeoutError(f"put(): no free slot within {timeout} s")
+        self._native.check_process()
+        self._native.put_arrays(self._arrays(example, None, "put()"), _checks.timeout(timeout))
 
     def put_many(self, examples: Any, timeout: float | None = None) -> None:
         """Copies n stacked examples (leading axis n) into the buffer.
@@ -190,22 +327,18 @@ class ShuffleBuffer:
                 attribute says how many.
             TypeError, ValueError, OverflowError: the examples do not fit.
         """
-        self._check_process()
+        self._native.check_process()
         rows = self._rows(examples)
         if rows == 0:
             return
         arrays = self._arrays(examples, rows, "put_many()")
-        status, done = self._core.put_many(arrays, rows, _checks.timeout(timeout), 0)
-        if status == _OK:
-            return
-        raise _put_many_error(status, done, rows, timeout)
+        self._native.put_many_arrays(arrays, rows, _checks.timeout(timeout))
 
     def close(self) -> None:
         """Ends the input: later puts raise BufferClosed, blocked ones are released,
         and iteration delivers what is left (echoes included), then stops. Idempotent."""
         self._closed = True
-        if not self._forked:
-            self._core.close()
+        self._native.close()
 
     # ---- consumer ----
 
@@ -228,50 +361,24 @@ class ShuffleBuffer:
             TimeoutError: no batch within ``timeout``.
             RuntimeError: another thread is iterating this buffer.
         """
-        arrays = self._next_arrays(timeout)
-        return arrays[0] if self._single else dict(zip(self._names, arrays))
-
-    def _next_arrays(self, timeout: float | None = None) -> tuple[np.ndarray, ...]:
-        """Like ``next_batch``, returning one array per field, in field order."""
-        self._check_process()
+        timeout = _checks.timeout(timeout)
+        self._native.check_process()
         if not self._consumer.acquire(blocking=False):
             raise RuntimeError("ShuffleBuffer: another thread is already iterating this buffer")
         try:
-            status, arrays = self._core.next(_checks.timeout(timeout))
+            arrays = self._native.next_arrays(timeout)
         finally:
             self._consumer.release()
-        if status == _CLOSED:
-            raise StopIteration
-        if status == _TIMEOUT:
-            raise TimeoutError(f"next_batch(): no batch within {timeout} s")
-        return arrays
-
-    def _snapshot(self, timeout: float | None = None) -> dict[str, Any]:
-        """Deterministic buffers: the state before the next batch to be assembled
-        (resident examples by sequence number, echo counts, RNG counter, intake
-        position) and the rows of the batches assembled but not yet taken."""
-        self._check_process()
-        status, state = self._core.snapshot(_checks.timeout(timeout))
-        if status == _CLOSED:
-            raise BufferClosed("state: the ShuffleBuffer was stopped")
-        if status == _TIMEOUT:
-            raise TimeoutError(f"state: the batch being assembled did not finish within {timeout} s")
-        return state
-
-    def _abort(self) -> None:
-        """Stops at once: blocked producers get BufferClosed, the consumer the end,
-        and what is resident is dropped. For pipelines shutting down on an error."""
-        self._closed = True
-        if not self._forked:
-            self._core.stop()
+        return arrays[0] if self._single else dict(zip(self._names, arrays))
 
     def stats(self) -> dict[str, Any]:
         """Counters: fresh (examples put), delivered (examples in yielded batches),
         batches, dropped (echoes lost to drop_last), evicted (with "auto": unspent
-        budget of examples freed to make room), resident, producer_wait_s,
-        consumer_wait_s, and echo_factor_achieved (delivered / fresh)."""
-        self._check_process()
-        stats = self._core.stats()
+        budget of examples freed to make room), resident, free_slots (equal to
+        capacity once everything put was delivered), batch_blocks (batch memory
+        blocks allocated: prefetch + 1 + the batches you keep alive),
+        producer_wait_s, consumer_wait_s, and echo_factor_achieved (delivered / fresh)."""
+        stats = self._native.stats()
         stats["echo_factor_achieved"] = stats["delivered"] / stats["fresh"] if stats["fresh"] else 0.0
         return stats
 
@@ -293,13 +400,6 @@ class ShuffleBuffer:
         )
 
     # ---- internals ----
-
-    def _check_process(self) -> None:
-        if self._forked:
-            raise RuntimeError(
-                f"ShuffleBuffer was created in process {self._pid} and cannot be used in a forked "
-                f"child ({os.getpid()}); create the buffer in the process that uses it"
-            )
 
     def _arrays(self, example: Any, rows: int | None, where: str) -> list[np.ndarray]:
         if self._single:
@@ -333,8 +433,8 @@ class ShuffleBuffer:
         return int(shape[0])
 
 
-def _put_many_error(status: int, done: int, rows: int, timeout: float | None) -> Exception:
-    # Built here, not in put_many(): an exception held in a local of the frame that
+def _put_many_error(status: Any, done: int, rows: int, timeout: float | None) -> Exception:
+    # Built here, not in the caller: an exception held in a local of the frame that
     # raises it is a reference cycle (frame, exception, traceback), which would keep
     # the buffer and its assembler thread alive until the cyclic GC runs.
     if status == _CLOSED:
@@ -346,19 +446,13 @@ def _put_many_error(status: int, done: int, rows: int, timeout: float | None) ->
 
 
 def _forget_after_fork() -> None:
-    # The child has no assembler thread: leak each core instead of joining it.
     for buffer in list(_live):
-        buffer._forked = True
-        buffer._core.abandon_after_fork()
+        buffer.forget_after_fork()
 
 
 def _stop_all() -> None:
-    # At interpreter exit, release blocked producers, stop the assembler threads
-    # and remove any shared-memory name still linked (workers that never attached).
     for buffer in list(_live):
-        if not buffer._forked:
-            buffer._core.stop()
-            buffer._core.unlink_region()
+        buffer.shut_down()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)

@@ -26,7 +26,8 @@ from . import _checks
 from .augment import AugmentStage
 from .batch_echo import BatchEcho
 from .checkpoint import FORMAT, check_state
-from .buffer import ShuffleBuffer
+from .buffer import NativeBuffer, buffer_config
+from . import _core
 from .errors import BufferClosed
 from .process_producers import ProcessProducers, check_picklable, default_start_method
 from .distributed import resolve_shard
@@ -488,11 +489,11 @@ class _Epoch:
             # Positions of the order are claimed by producers (threads or
             # processes) from a counter in the buffer's region; a position is
             # also the example's sequence number for deterministic intake.
-            self._echo_buffer._core.set_index_range(start, len(self._order))
+            self._echo_buffer.set_index_range(start, len(self._order))
             if resume is not None:
                 self._put_resident(resume)
         if first is not _NOTHING and (map_style or loader.worker_type == "thread"):
-            self._echo_buffer._put_values(structure.flatten(first), seq=start - 1)
+            self._echo_buffer.put_values(structure.flatten(first), seq=start - 1)
         elif first is not _NOTHING:
             start = 0  # worker processes each read their iterable from its start
         if loader.worker_type == "process":
@@ -509,7 +510,7 @@ class _Epoch:
                 self._producers.start_map(loader.source, self._order)
             else:
                 self._producers.start_iterable(self._iterator, first_seq=start)
-        upstream = self._echo_buffer._next_arrays
+        upstream = self._echo_buffer.next_arrays
         if loader.echo_at == "batch":
             echo = None if loader.echo_factor == "auto" else float(loader.echo_factor)
             self._batch_echo = BatchEcho(
@@ -526,12 +527,15 @@ class _Epoch:
             self._final = upstream
             self._final_structure = structure
 
-    def _restore_plan(self) -> dict[str, Any] | None:
+    def _restore_plan(self) -> _core.Snapshot | None:
         resume = self._resume
         if resume is None or self._order is None:
             return None
-        plan = {key: resume[key] for key in ("batches", "rng_state", "next_seq", "available")}
-        return {**plan, "seqs": resume["positions"], "echoes": resume["echoes"]}
+        plan = _core.Snapshot()
+        for key in ("batches", "rng_state", "next_seq", "available"):
+            setattr(plan, key, resume[key])
+        plan.seqs, plan.echoes = resume["positions"], resume["echoes"]
+        return plan
 
     def position(self) -> dict[str, Any]:
         """This epoch's position for state_dict() (see dataecho.checkpoint)."""
@@ -546,7 +550,7 @@ class _Epoch:
             return {"skip": (self._resume["skip"] if self._resume else 0) + fresh}
         loader._check_resumable()
         if self._echo_buffer is not None:
-            snap = self._echo_buffer._snapshot()
+            snap = _snapshot_dict(self._echo_buffer.snapshot())
         else:  # nothing more to assemble
             snap = {"batches": 0, "rng_state": 0, "next_seq": len(self._order), "available": 0,
                     "seqs": [], "echoes": [], "queued": [], "ended": True}
@@ -581,7 +585,7 @@ class _Epoch:
 
         with ThreadPoolExecutor(max_workers=min(self._loader.workers, len(positions))) as pool:
             for position, values in zip(positions, pool.map(self._read, positions)):
-                self._echo_buffer._put_values(values, seq=position)
+                self._echo_buffer.put_values(values, seq=position)
 
     def _first_example(self) -> tuple[Any, int]:
         """Reads (and transforms) one example if the structure is not known yet.
@@ -605,44 +609,36 @@ class _Epoch:
                 return _NOTHING, 0
         return self._transformed(example), 1
 
-    def _make_echo_buffer(self, structure: Structure) -> ShuffleBuffer:
+    def _make_echo_buffer(self, structure: Structure) -> NativeBuffer:
         loader = self._loader
         per_example = loader.echo_at == "example"
         capacity = loader.shuffle_buffer if per_example else max(2 * loader.batch_size, _DEFAULT_EXAMPLES)
-        buffer = ShuffleBuffer(
-            structure.fields(),
-            capacity=capacity,
-            batch_size=loader.batch_size,
-            echo_factor=loader.echo_factor if per_example else 1.0,
-            max_echo=loader.max_echo,
-            seed=self._seeds[2],
+        auto = per_example and loader.echo_factor == "auto"
+        config = buffer_config(
+            capacity=capacity, batch_size=loader.batch_size,
+            echo_factor=1.0 if auto or not per_example else float(loader.echo_factor), auto_echo=auto,
+            max_echo=loader.max_echo, seed=self._seeds[2],
             # With augment, the output buffer decides what a short last batch means.
-            drop_last=loader.drop_last and loader.augment is None,
-            prefetch=loader.prefetch,
+            drop_last=loader.drop_last and loader.augment is None, prefetch=loader.prefetch,
             # Batch echoing: batches flow from the first one on; the example
             # shuffle behind them still grows to its capacity.
-            initial=None if per_example else loader.batch_size,
-            _shared=loader.worker_type == "process",
-            _deterministic=loader.deterministic,
-            _exact_echo=loader.exact_echo and per_example,
-            _restore=self._restore_plan(),
+            initial=0 if per_example else loader.batch_size,
+            shared=loader.worker_type == "process", deterministic=loader.deterministic,
+            exact_echo=loader.exact_echo and per_example,
         )
+        buffer = NativeBuffer(parse_fields(structure.fields())[0], config, self._restore_plan())
         if loader.augment is None:
             self._pin(buffer)
         return buffer
 
-    def _make_output_buffer(self, structure: Structure) -> ShuffleBuffer:
+    def _make_output_buffer(self, structure: Structure) -> NativeBuffer:
         loader = self._loader
-        buffer = ShuffleBuffer(
-            structure.fields(),
-            capacity=max(4 * loader.batch_size, 256),
-            batch_size=loader.batch_size,
-            seed=self._seeds[3],
-            drop_last=loader.drop_last,
-            prefetch=loader.prefetch,
-            initial=loader.batch_size,
-            _deterministic=loader.deterministic,
+        config = buffer_config(
+            capacity=max(4 * loader.batch_size, 256), batch_size=loader.batch_size, seed=self._seeds[3],
+            drop_last=loader.drop_last, prefetch=loader.prefetch, initial=loader.batch_size,
+            deterministic=loader.deterministic,
         )
+        buffer = NativeBuffer(parse_fields(structure.fields())[0], config)
         self._pin(buffer)
         self._output_buffer = buffer
         return buffer
@@ -658,9 +654,9 @@ class _Epoch:
         count = self._loader.prefetch + 4
         if self._loader.echo_at == "batch" and self._loader.augment is None:
             count += self._loader.shuffle_buffer  # batches held for echoing
-        blocks = torch_support.allocate_pinned(buffer._core.batch_bytes, count)
+        blocks = torch_support.allocate_pinned(buffer.batch_bytes, count)
         for block, (address, nbytes) in zip(blocks, torch_support.pinned_pointers(blocks)):
-            buffer._core.add_batch_memory(address, nbytes, block)
+            buffer.add_batch_memory(address, nbytes, block)
 
     # ---- consuming ----
 
@@ -709,7 +705,7 @@ class _Epoch:
                 pass
             if self._augment.output is None or self._failure.error is not None:
                 raise StopIteration
-            self._final = self._augment.output._next_arrays
+            self._final = self._augment.output.next_arrays
             self._final_structure = self._augment.out_structure
         arrays = self._final(None)
         self._delivered += len(arrays[0])
@@ -737,7 +733,7 @@ class _Epoch:
                 break
             if self._loader.deterministic:  # taken ahead: state_dict() lists their rows first
                 self._in_flight.append(
-                    self._replayed if self._replayed is not None else self._echo_buffer._core.last_seqs
+                    self._replayed if self._replayed is not None else self._echo_buffer.last_seqs
                 )
             host = [to_torch(a) for a in arrays]
             self._mover.submit(host, on_done=host.clear)
@@ -770,7 +766,7 @@ class _Epoch:
                 stage.stop()
         for buffer in (self._echo_buffer, self._output_buffer):
             if buffer is not None:
-                buffer._abort()
+                buffer.abort()
 
     def _finish(self, wait: bool = True) -> None:
         if not self._closed:
@@ -822,6 +818,11 @@ def _weakly(method: Callable[..., Any], raise_if_gone: bool = False) -> Callable
         return None
 
     return call
+
+
+def _snapshot_dict(snap: _core.Snapshot) -> dict[str, Any]:
+    keys = ("batches", "rng_state", "next_seq", "available", "seqs", "echoes", "queued", "ended")
+    return {key: getattr(snap, key) for key in keys}
 
 
 def _order_seed(seed: int, epoch: int) -> int:

@@ -19,7 +19,7 @@ from multiprocessing.connection import wait
 from typing import Any, Callable
 
 from . import _worker
-from .buffer import ShuffleBuffer
+from .buffer import NativeBuffer
 from .producers import Failure
 from .structure import Structure
 
@@ -75,7 +75,7 @@ class ProcessProducers:
 
     def __init__(
         self,
-        buffer: ShuffleBuffer,
+        buffer: NativeBuffer,
         structure: Structure,
         source: Any,
         transform: Callable[[Any], Any] | None,
@@ -102,7 +102,7 @@ class ProcessProducers:
             self._start(context, structure, source, transform, map_style, order, seed)
         except BaseException:
             # Ctrl-C (or a failed start) part-way: the workers already started stop too.
-            buffer._abort()
+            buffer.abort()
             self.join()
             raise
 
@@ -113,7 +113,7 @@ class ProcessProducers:
         workers, buffer = self.workers, self._buffer
         for worker in range(workers):
             spec = _worker.WorkerSpec(
-                region=buffer._core.region_name,
+                region=buffer.region_name,
                 fields=buffer.fields,
                 structure=structure,
                 source=source,
@@ -157,7 +157,7 @@ class ProcessProducers:
         self._stop.set()
         if self._monitor is not None:
             self._monitor.join(timeout_s)
-        self._buffer._core.unlink_region()
+        self._buffer.unlink_region()
         # Dropping the connections closes them. (Not close(): when a loader is
         # collected in a reference cycle, a connection's own finalizer may have
         # closed its descriptor already, and the number may be in use again.)
@@ -170,7 +170,7 @@ class ProcessProducers:
         """Per worker: examples produced and seconds busy reading and transforming."""
         return [
             {"produced": produced, "busy_s": busy_ns * 1e-9}
-            for produced, busy_ns in self._buffer._core.worker_counters(self.workers)
+            for produced, busy_ns in self._buffer.worker_counters(self.workers)
         ]
 
     # ---- the monitor ----
@@ -187,7 +187,7 @@ class ProcessProducers:
                 elif obj in sentinels:
                     self._exited(sentinels.pop(obj), pipes, ready, done)
             if len(ready) == self.workers:
-                self._buffer._core.unlink_region()  # all mapped: nothing left in /dev/shm
+                self._buffer.unlink_region()  # all mapped: nothing left in /dev/shm
             if len(done) == self.workers:
                 self._buffer.close()  # every example is committed: drain and end
                 return

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from .buffer import ShuffleBuffer
+from .buffer import NativeBuffer
 from .errors import BufferClosed
 from .structure import Structure
 
@@ -60,7 +60,7 @@ class Producers:
 
     def __init__(
         self,
-        buffer: ShuffleBuffer,
+        buffer: NativeBuffer,
         structure: Structure,
         transform: Callable[[Any], Any] | None,
         workers: int,
@@ -85,7 +85,7 @@ class Producers:
         """Reads ``source[order[p]]`` on every worker, for each position p the
         buffer's claim counter hands out (set by the caller); p is also the
         example's sequence number."""
-        claim = self._buffer._core.claim_index
+        claim = self._buffer.claim_index
 
         def work() -> None:
             while not self._stop.is_set():
@@ -189,7 +189,7 @@ class Producers:
         leaves = self._structure.flatten(example)
         counter = self._counters.setdefault(threading.get_ident(), [0, 0.0])
         counter[1] += time.perf_counter() - started
-        self._buffer._put_values(leaves, seq=seq)
+        self._buffer.put_values(leaves, seq=seq)
         counter[0] += 1
 
     def _offer(self, handoff: queue.Queue, item: Any) -> bool:

@@ -61,8 +61,6 @@ class BatchPool : public std::enable_shared_from_this<BatchPool> {
     return std::shared_ptr<Lease>(new Lease(shared_from_this(), std::move(block), adopted));
   }
 
-  std::size_t block_bytes() const noexcept { return block_bytes_; }
-
   // Blocks ever allocated (adopted ones not counted); a steady value means
   // consumers release what they take.
   std::size_t allocated() const {
@@ -82,7 +80,6 @@ class BatchPool : public std::enable_shared_from_this<BatchPool> {
     Lease& operator=(const Lease&) = delete;
     ~Lease() { pool_->give_back(std::move(block_), adopted_); }
     std::byte* data() const noexcept { return block_.data(); }
-    bool adopted() const noexcept { return adopted_; }
 
    private:
     friend class BatchPool;

@@ -30,7 +30,6 @@ class Reservoir {
   std::size_t size() const noexcept { return size_; }
   std::size_t available() const noexcept { return available_; }
   std::size_t fresh() const noexcept { return fresh_; }
-  std::size_t seen_available() const noexcept { return available_ - fresh_; }
   std::uint64_t echoes_left() const noexcept { return echoes_left_; }
 
   // A new example, drawable from the current batch on, among the "seen" ones

@@ -83,12 +83,6 @@ class SharedMemory {
   std::size_t size() const noexcept { return memory_.size(); }
   bool linked() const noexcept { return linked_.load(std::memory_order_acquire); }
 
-  // Hands the mapping over (the name is unlinked first if still linked).
-  Block release_mapping() noexcept {
-    unlink();
-    return std::move(memory_);
-  }
-
  private:
   // Only the creator (owner) unlinks the name.
   SharedMemory(std::string name, Block memory, bool owner)

@@ -1,10 +1,6 @@
-// A deterministic buffer's state between two batches, for checkpoints.
-//
-// In deterministic mode (see BufferConfig::deterministic) what the buffer yields
-// from batch k on depends only on the examples resident before it (in reservoir
-// order, with their remaining echo counts), the RNG's counter, the next sequence
-// number to take in, and k. Examples are named by sequence number, not stored:
-// on resume they are read again and put with the same numbers.
+// A deterministic buffer's state before a batch, for checkpoints (captured and
+// restored in checkpoint.hpp), and the desk that hands it from the assembler
+// thread to the consumer.
 #pragma once
 
 #include <atomic>
@@ -37,7 +33,8 @@ class SnapshotDesk {
   void request() noexcept {
     std::lock_guard<std::mutex> lock(mutex_);
     // seq_cst: the assembler re-checks this flag after parking in
-    // ReadyQueue::wait_for_room; the poke() that follows the store wakes it.
+    // ReadyQueue::wait_for_room or Assembler::next_committed; the consumer's
+    // wake-ups of both, after this store, pair with those re-checks.
     wanted_.store(true, std::memory_order_seq_cst);
   }
 

@@ -1,0 +1,238 @@
+// The assembler's state, and the steps every assembly policy (fixed_policy.hpp,
+// auto_policy.hpp) shares: taking committed examples into the reservoir,
+// gathering a drawn example into a batch, freeing slots, and handing finished
+// batches to the ready queue.
+//
+// One thread, the buffer's assembler, owns all of it. Other threads only read
+// the counters published for stats() (relaxed atomics) and raise the desk's
+// request for a snapshot.
+//
+// Synchronization (the assembler's side of shuffle_buffer.hpp's list):
+//   - slot bytes: the committed pop (C1) pairs with the producer's push (P2),
+//     so the gather reads what the producer wrote; the gather happens-before
+//     the free push (P2), which pairs with the next producer's pop (C1).
+//   - end of input: input_finished() reads closed, then in_flight, then the
+//     committed ring, all seq_cst (see producer.hpp, I1/I2).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+#include "dataecho/batch_pool.hpp"
+#include "dataecho/buffer_config.hpp"
+#include "dataecho/layout.hpp"
+#include "dataecho/memory.hpp"
+#include "dataecho/ordered_intake.hpp"
+#include "dataecho/ready_queue.hpp"
+#include "dataecho/region.hpp"
+#include "dataecho/reservoir.hpp"
+#include "dataecho/rng.hpp"
+#include "dataecho/snapshot.hpp"
+#include "dataecho/wait.hpp"
+
+namespace dataecho {
+
+// What one call of an assembly policy achieved.
+enum class Step {
+  kBatch,     // a batch was pushed
+  kEnd,       // the stream is over (or stopped)
+  kSnapshot,  // interrupted before drawing, for a snapshot: call again for the same batch
+};
+
+class Assembler {
+ public:
+  Assembler(const BufferConfig& config, const ExampleLayout& layout, const RegionView& region, BatchPool& pool,
+            ReadyQueue& ready, const std::atomic<bool>& stop, const SnapshotDesk& desk)
+      : config_(config),
+        layout_(layout),
+        region_(region),
+        pool_(pool),
+        ready_(ready),
+        stop_(stop),
+        desk_(desk),
+        echoes_(config.auto_echo ? config.max_echo : config.echo_factor),
+        reservoir_(config.capacity),
+        rng_(config.seed),
+        full_(std::max({config.batch_size, config.capacity - config.batch_size, config.initial})) {}
+
+  const BufferConfig& config() const noexcept { return config_; }
+  const RegionView& region() const noexcept { return region_; }
+  Reservoir& reservoir() noexcept { return reservoir_; }
+  const Reservoir& reservoir() const noexcept { return reservoir_; }
+  Rng& rng() noexcept { return rng_; }
+  const Rng& rng() const noexcept { return rng_; }
+  OrderedIntake& ordered() noexcept { return ordered_; }
+  const OrderedIntake& ordered() const noexcept { return ordered_; }
+  ReadyQueue& ready() noexcept { return ready_; }
+  const ReadyQueue& ready() const noexcept { return ready_; }
+
+  // Steady-state fill target: capacity - batch_size, at least batch_size and
+  // initial, so that the slots one batch frees are refilled while the next is gathered.
+  std::size_t full() const noexcept { return full_; }
+
+  bool stopped() const noexcept { return stop_.load(std::memory_order_relaxed); }  // relaxed: polled
+  // seq_cst: the re-check of a wait's condition; pairs with ShuffleBuffer::stop()'s
+  // store, which is followed by a notify of every event count.
+  bool stop_requested() const noexcept { return stop_.load(std::memory_order_seq_cst); }
+
+  // ---- intake ----
+
+  // Takes in committed examples until `target` are resident. kBatch: reached;
+  // kEnd: the input finished first (the caller drains what is resident) or the
+  // buffer was stopped; kSnapshot: a snapshot is wanted first.
+  Step fill(std::size_t target) {
+    while (reservoir_.size() < target) {
+      if (stopped()) return Step::kEnd;
+      if (config_.deterministic && admit_next(/*input_over=*/false)) continue;
+      if (desk_.wanted()) return Step::kSnapshot;
+      std::uint32_t slot;
+      const Committed got = next_committed(slot, /*serve_snapshots=*/true);
+      if (got == Committed::kSnapshot) return Step::kSnapshot;
+      if (got == Committed::kEnd) {
+        if (config_.deterministic && admit_next(/*input_over=*/true)) continue;
+        return Step::kEnd;
+      }
+      if (config_.deterministic)
+        ordered_.hold(region_.slot_seq[slot], slot);
+      else
+        take_in(slot);
+    }
+    return Step::kBatch;
+  }
+
+  enum class Committed { kSlot, kEnd, kSnapshot };
+
+  // Waits for the next committed slot; kEnd once stopped or the input finished;
+  // kSnapshot (only with serve_snapshots) when a snapshot is wanted first.
+  Committed next_committed(std::uint32_t& slot, bool serve_snapshots) {
+    bool got = false;
+    bool wanted = false;
+    block_until(region_.committed->not_empty(), Deadline::never(), [&] {
+      if (region_.committed->try_pop(slot)) return got = true;  // (C1)
+      if (stop_requested()) return true;
+      // seq_cst: the re-check of the flag SnapshotDesk::request stores; the
+      // consumer notifies not_empty after it.
+      if (serve_snapshots && desk_.wanted()) return wanted = true;
+      return input_finished(slot, got) || got;
+    });
+    if (got) return Committed::kSlot;
+    return wanted ? Committed::kSnapshot : Committed::kEnd;
+  }
+
+  // True when no example can arrive any more: closed, no put in flight, and
+  // the committed ring drained. Order matters: closed (seq_cst) then in_flight
+  // (seq_cst, pairs with I1/I2 in producer.hpp) then the ring. A put that raised
+  // in_flight after our read of it sees closed and takes no slot; one that
+  // finished before has its pushes ordered before its decrement, so the final
+  // try_pop sees them.
+  bool input_finished(std::uint32_t& slot, bool& got) {
+    got = false;
+    if (!region_.header->closed.load(std::memory_order_seq_cst)) return false;
+    if (region_.header->in_flight.load(std::memory_order_seq_cst) != 0) return false;
+    got = region_.committed->try_pop(slot);
+    return !got;
+  }
+
+  // Takes a committed slot in at once (not deterministic), with an echo count
+  // drawn from the RNG, or by sequence number for exact echo.
+  void take_in(std::uint32_t slot) {
+    const std::uint32_t echoes =
+        config_.exact_echo ? echoes_.by_seq(region_.slot_seq[slot]) : echoes_.drawn(rng_);
+    if (config_.auto_echo)
+      reservoir_.add_fresh(slot, echoes);  // echoes = its budget under max_echo
+    else
+      reservoir_.add(slot, echoes);
+  }
+
+  // Deterministic intake: admits the next example in sequence order, if it has
+  // come (or, once the input is over, the lowest waiting).
+  bool admit_next(bool input_over) {
+    std::uint64_t seq;
+    std::uint32_t slot;
+    if (!ordered_.next(input_over, seq, slot)) return false;
+    reservoir_.add(slot, echoes_.by_seq(seq));
+    ordered_.publish(*region_.header);
+    return true;
+  }
+
+  // ---- output ----
+
+  // An empty batch on a block of the pool.
+  Batch new_batch(std::size_t rows) {
+    Batch batch{pool_.lease(), rows, {}};
+    if (config_.deterministic) batch.seqs.reserve(rows);  // one allocation per batch, not per row
+    return batch;
+  }
+
+  void gather_row(Reservoir::Draw draw, Batch& batch, std::size_t row) {
+    layout_.gather(region_.arena.slot(draw.slot), batch.lease->data(), row);
+    if (config_.deterministic) batch.seqs.push_back(region_.slot_seq[draw.slot]);  // for snapshots
+    if (draw.last) release_slot(draw.slot);
+  }
+
+  void push(Batch batch) {
+    region_.free->not_empty().notify_all();  // one wake-up for the slots this batch freed
+    publish_resident();
+    ready_.push(std::move(batch));
+  }
+
+  // Returns a slot to producers without waking them; callers notify afterwards.
+  //
+  // free_ has a cell per slot, yet a push can find its cell still "full": a
+  // producer that claimed the pop one lap earlier (won the tail_ CAS) may not yet
+  // have stored the cell's release (C2) when the other slots have lapped it. That
+  // producer is mid-operation, so wait for its pop to complete (it notifies
+  // not_full) instead of treating it as an error.
+  void release_slot(std::uint32_t slot) noexcept {
+    poison(region_.arena.slot(slot), layout_.slot_stride());
+    if (region_.free->try_push_quiet(slot)) return;
+    block_until(region_.free->not_full(), Deadline::never(), [&] { return region_.free->try_push_quiet(slot); });
+  }
+
+  // End of the stream: what is resident is not needed any more.
+  Step finish() {
+    // relaxed: statistics. With auto echo, unspent budget is not a loss.
+    if (!config_.auto_echo) dropped_.fetch_add(reservoir_.echoes_left(), std::memory_order_relaxed);
+    reservoir_.clear([this](std::uint32_t slot) { release_slot(slot); });
+    region_.free->not_empty().notify_all();
+    publish_resident();
+    ready_.finish();
+    return Step::kEnd;
+  }
+
+  void publish_resident() noexcept {
+    resident_.store(reservoir_.size(), std::memory_order_relaxed);  // relaxed: statistics
+  }
+
+  // ---- counters for stats() (any thread) ----
+
+  void count_dropped(std::uint64_t n) noexcept { dropped_.fetch_add(n, std::memory_order_relaxed); }  // relaxed: statistics
+  void count_evicted(std::uint64_t n) noexcept { evicted_.fetch_add(n, std::memory_order_relaxed); }  // relaxed: statistics
+  // relaxed: independent monotone counters; a snapshot of them need not be atomic.
+  std::uint64_t dropped() const noexcept { return dropped_.load(std::memory_order_relaxed); }
+  std::uint64_t evicted() const noexcept { return evicted_.load(std::memory_order_relaxed); }
+  std::uint64_t resident() const noexcept { return resident_.load(std::memory_order_relaxed); }
+
+ private:
+  const BufferConfig& config_;
+  const ExampleLayout& layout_;
+  const RegionView region_;
+  BatchPool& pool_;
+  ReadyQueue& ready_;
+  const std::atomic<bool>& stop_;
+  const SnapshotDesk& desk_;
+  const EchoCounts echoes_;
+
+  Reservoir reservoir_;
+  Rng rng_;
+  OrderedIntake ordered_;
+  const std::size_t full_;
+
+  alignas(kCacheLine) std::atomic<std::uint64_t> dropped_{0};
+  std::atomic<std::uint64_t> evicted_{0};
+  std::atomic<std::uint64_t> resident_{0};
+};
+
+}  // namespace dataecho

@@ -1,0 +1,86 @@
+// Assembly with echo_factor="auto": every example may be delivered up to its
+// budget (drawn from max_echo), fresh ones first. A batch is completed with
+// repeats only when no fresh example is at hand and the consumer has drained
+// the ready queue, i.e. is about to wait; otherwise the assembler waits for
+// fresh examples. So a fast upstream yields an echo factor near 1 and a slow
+// one near max_echo.
+//
+// Delivered examples keep their slot until the budget is spent or producers run
+// short of free slots (then a uniformly chosen one is evicted). When the input
+// ends, the fresh ones left are delivered and nothing more is repeated. Never
+// deterministic (it depends on timing by design), so it never serves snapshots.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "dataecho/assembler.hpp"
+
+namespace dataecho {
+
+// Frees delivered examples, uniformly chosen, until producers have a batch's
+// worth of free slots or no delivered example is left.
+inline void make_room(Assembler& a) {
+  Reservoir& reservoir = a.reservoir();
+  const RegionView& region = a.region();
+  std::uint64_t evicted = 0;
+  while (reservoir.size() > reservoir.fresh() && region.free->size_approx() < a.config().batch_size) {
+    const auto [slot, echoes] = reservoir.evict_seen(a.rng());
+    evicted += echoes;
+    a.release_slot(slot);
+  }
+  if (evicted == 0) return;
+  a.count_evicted(evicted);
+  region.free->not_empty().notify_all();
+}
+
+// Assembles batch number k.
+inline Step assemble_auto(Assembler& a, std::uint64_t k) {
+  const BufferConfig& config = a.config();
+  const RegionView& region = a.region();
+  Reservoir& reservoir = a.reservoir();
+  bool more_input = true;
+  if (k == 0) more_input = a.fill(std::max(config.initial, config.batch_size)) == Step::kBatch;
+  if (a.stopped()) return Step::kEnd;
+  reservoir.begin_batch();
+  make_room(a);
+  Batch batch = a.new_batch(0);
+  std::size_t row = 0;
+  std::uint32_t slot;
+  bool got = false;
+  while (row < config.batch_size) {
+    if (reservoir.fresh() > 0) {
+      a.gather_row(reservoir.draw_fresh(a.rng()), batch, row++);
+      continue;
+    }
+    if (got || region.committed->try_pop(slot)) {
+      a.take_in(slot);
+      got = false;
+      continue;
+    }
+    if (more_input && a.input_finished(slot, got)) more_input = false;
+    if (got) continue;
+    if (!more_input) break;
+    if (reservoir.size() > 0 && a.ready().size() == 0) {
+      a.gather_row(reservoir.draw_seen(a.rng()), batch, row++);  // the consumer is waiting: echo
+      continue;
+    }
+    block_until(region.committed->not_empty(), Deadline::never(), [&] {
+      if (region.committed->try_pop(slot)) return got = true;
+      if (a.stop_requested()) return true;
+      if (reservoir.size() > 0 && a.ready().size() == 0) return true;  // the consumer drained it
+      return a.input_finished(slot, got) || got;
+    });
+    if (a.stopped()) return Step::kEnd;
+  }
+  if (row == 0 || (row < config.batch_size && config.drop_last)) {
+    a.count_dropped(row);  // only never-delivered examples count as dropped
+    return a.finish();
+  }
+  batch.rows = row;
+  a.push(std::move(batch));
+  if (!more_input && reservoir.fresh() == 0) return a.finish();
+  return Step::kBatch;
+}
+
+}  // namespace dataecho
