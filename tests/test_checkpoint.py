@@ -1,6 +1,8 @@
 """state_dict() / load_state_dict(): a loader resumed from a state taken after
 any batch yields exactly the batches the uninterrupted loader would have yielded
-next, re-reading the resident examples instead of storing them."""
+next, in every placement (example echo, batch echo, augment with its generator,
+both), with thread or process workers, re-reading the examples it needs instead
+of storing them."""
 
 from __future__ import annotations
 
@@ -27,6 +29,15 @@ class Counting(workloads.Indexed):
         return super().__getitem__(i)
 
 
+def noisy(example, rng):
+    """An augmentation whose randomness comes from the generator it is given."""
+    return {"id": example["id"], "x": example["x"][:4], "noise": rng.integers(0, 1 << 30)}
+
+
+def own_noise(example):
+    return {"id": example["id"], "noise": np.random.randint(1 << 30)}
+
+
 def make(source=None, **kwargs):
     args = {"batch_size": 32, "echo_factor": 1.5, "shuffle_buffer": 256, "workers": 3, "seed": 7,
             "deterministic": True}
@@ -34,8 +45,14 @@ def make(source=None, **kwargs):
     return dataecho.EchoLoader(source if source is not None else workloads.Indexed(N), **args)
 
 
+def rows(batch):
+    """What identifies a batch's rows: ids, with augment's draws where it made some."""
+    ids = np.asarray(batch["id"]).tolist()
+    return list(zip(ids, np.asarray(batch["noise"]).tolist())) if "noise" in batch else ids
+
+
 def run(loader, epochs=2):
-    return [batch["id"].tolist() for _ in range(epochs) for batch in loader]
+    return [rows(batch) for _ in range(epochs) for batch in loader]
 
 
 def take_then_save(loader, count):
@@ -44,7 +61,7 @@ def take_then_save(loader, count):
     taken, epoch = [], iter(loader)
     while len(taken) < count:
         try:
-            taken.append(next(epoch)["id"].tolist())
+            taken.append(rows(next(epoch)))
         except StopIteration:
             epoch = iter(loader)
     state = pickle.loads(pickle.dumps(loader.state_dict()))
@@ -58,44 +75,90 @@ def resume(state, epochs=2, **kwargs):
     return run(loader, epochs - state["epoch"])
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        {},
-        {"echo_factor": 2, "workers": 1},
-        {"echo_factor": 2.5, "drop_last": True, "prefetch": 1},
-        {"batch_size": 8, "shuffle_buffer": 40, "shuffle": False},
-        {"rank": 1, "world_size": 3},
-    ],
-    ids=["echo1.5", "echo2", "echo2.5-drop_last", "small-buffer", "rank1of3"],
-)
+PLACEMENTS = {
+    "echo1.5": {},
+    "echo2": {"echo_factor": 2, "workers": 1},
+    "echo2.5-drop_last": {"echo_factor": 2.5, "drop_last": True, "prefetch": 1},
+    "small-buffer": {"batch_size": 8, "shuffle_buffer": 40, "shuffle": False},
+    "rank1of3": {"rank": 1, "world_size": 3},
+    "augment": {"augment": noisy},
+    "batch-echo": {"echo_at": "batch", "echo_factor": 2.5, "shuffle_buffer": 4},
+    "batch-echo-augment": {"echo_at": "batch", "echo_factor": 2, "shuffle_buffer": 3, "augment": noisy},
+    "augment-processes": {"augment": noisy, "workers": 2, "worker_type": "process", "drop_last": True},
+}
+
+
+@pytest.mark.parametrize("kwargs", list(PLACEMENTS.values()), ids=list(PLACEMENTS))
 def test_resume_after_any_batch_yields_the_rest_exactly(kwargs):
     reference = run(make(**kwargs))
+    assert run(make(**kwargs)) == reference, "deterministic=True: the same batches every run"
     per_epoch = len(reference) // 2
     for cut in (0, 1, 4, per_epoch // 2, per_epoch - 1, per_epoch, per_epoch + 2):
         taken, state = take_then_save(make(**kwargs), cut)
         assert taken + resume(state, **kwargs) == reference, f"resumed after batch {cut}"
 
 
+def test_resume_twice_in_one_epoch():
+    # A state taken from a resumed loader names the batches it has not replayed yet.
+    kwargs = {"augment": noisy, "echo_at": "batch", "echo_factor": 2, "shuffle_buffer": 3}
+    reference = run(make(**kwargs), 1)
+    first, state = take_then_save(make(**kwargs), 3)
+    loader = make(**kwargs)
+    loader.load_state_dict(state)
+    epoch = iter(loader)
+    second = [rows(next(epoch))]
+    state = pickle.loads(pickle.dumps(loader.state_dict()))
+    loader.close()
+    assert first + second + resume(state, 1, **kwargs) == reference
+
+
 def test_resume_with_other_workers_and_worker_type():
-    reference = run(make(workers=3))
-    taken, state = take_then_save(make(workers=3), 10)
-    assert taken + resume(state, workers=2, worker_type="process") == reference
-    taken, state = take_then_save(make(workers=2, worker_type="process"), 20)
-    assert taken + resume(state, workers=1) == reference
+    for kwargs in ({}, {"augment": noisy}):
+        reference = run(make(workers=3, **kwargs))
+        taken, state = take_then_save(make(workers=3, **kwargs), 10)
+        assert taken + resume(state, workers=2, worker_type="process", **kwargs) == reference
+        taken, state = take_then_save(make(workers=2, worker_type="process", **kwargs), 20)
+        assert taken + resume(state, workers=1, **kwargs) == reference
+
+
+def test_augment_draws_from_its_generator_the_same_for_any_workers():
+    seen = []
+
+    def augment(example, rng):
+        seen.append(type(rng))
+        return noisy(example, rng)
+
+    reference = run(make(augment=augment, workers=1), 1)
+    assert seen and set(seen) == {np.random.Generator}
+    assert run(make(augment=noisy, workers=4), 1) == reference
+    assert run(make(augment=noisy, workers=2, worker_type="process"), 1) == reference
+    assert run(make(augment=noisy, workers=2, seed=8), 1) != reference, "another seed, other draws"
+    draws = [noise for batch in reference for _, noise in batch]
+    assert len(set(draws)) > 0.99 * len(draws), "every delivery draws from its own stream"
 
 
 def test_the_state_is_small_and_names_every_resident_example():
     _, state = take_then_save(make(), 5)
-    position = state["position"]
-    assert state["epoch"] == 0 and position["next_seq"] > 0
-    resident = len(position["positions"])
+    intake = state["stages"]["intake"]
+    assert state["epoch"] == 0 and intake["next_seq"] > 0
+    resident = len(intake["positions"])
     assert 0 < resident <= 256
-    assert position["echoes"].min() >= 1 and position["echoes"].max() <= 2  # echo 1.5: 1 or 2 left
+    assert intake["echoes"].min() >= 1 and intake["echoes"].max() <= 2  # echo 1.5: 1 or 2 left
     # Indices are those of the epoch's order at the positions.
-    assert len(set(position["indices"].tolist())) == resident
-    queued_rows = sum(len(q) for q in position["queued"])
-    assert len(pickle.dumps(state)) <= 20 * resident + 8 * queued_rows + 1500
+    assert len(set(intake["indices"].tolist())) == resident
+    queued_rows = sum(len(q["rows"]) for q in intake["queued"])
+    assert len(pickle.dumps(state)) <= 20 * resident + 8 * queued_rows + 3000
+
+
+def test_the_state_with_augment_and_batch_echo_stays_small():
+    _, state = take_then_save(make(augment=noisy, echo_at="batch", echo_factor=2, shuffle_buffer=4), 9)
+    stages = state["stages"]
+    assert len(stages["batch_echo"]["entries"]) <= 4
+    pending = stages["augment"]["pending"]["deliveries"]
+    # The output buffer's rows (capacity max(4 * batch_size, 256)) and those the 3 workers augment.
+    assert len(pending) <= 256 + 3 * 32
+    rows_named = sum(len(e["rows"]) for e in stages["batch_echo"]["entries"]) + len(pending)
+    assert len(pickle.dumps(state)) <= 20 * len(stages["intake"]["positions"]) + 16 * rows_named + 6000
 
 
 def test_resume_reads_only_resident_and_later_examples():
@@ -103,28 +166,30 @@ def test_resume_reads_only_resident_and_later_examples():
     taken, state = take_then_save(make(), 20)
     loader = make(source)
     loader.load_state_dict(state)
-    rest = [b["id"].tolist() for b in loader]
-    position = state["position"]
-    queued_rows = sum(len(q) for q in position["queued"])
+    rest = [rows(b) for b in loader]
+    stages = state["stages"]
+    intake = stages["intake"]
+    queued_rows = sum(len(q["rows"]) for name in ("intake", "intake_replay", "final_replay")
+                      for q in stages[name]["queued"])
     # Every example left to read, the resident ones, the queued rows, and one to learn the structure.
-    assert source.reads == (N - position["next_seq"]) + len(position["positions"]) + queued_rows + 1
+    assert source.reads == (N - intake["next_seq"]) + len(intake["positions"]) + queued_rows + 1
     assert taken + rest == run(make(), 1)
 
 
 def test_state_before_iterating_and_after_loading():
     loader = make()
     state = loader.state_dict()
-    assert state["epoch"] == 0 and state["position"] is None
+    assert state["epoch"] == 0 and state["stages"] is None
     _, saved = take_then_save(make(), 7)
     loader.load_state_dict(saved)
-    assert loader.state_dict()["position"]["next_seq"] == saved["position"]["next_seq"]
+    assert loader.state_dict()["stages"]["intake"]["next_seq"] == saved["stages"]["intake"]["next_seq"]
 
 
 def test_state_at_an_epoch_boundary_starts_the_next_epoch():
     loader = make()
-    first = [b["id"].tolist() for b in loader]
+    first = [rows(b) for b in loader]
     state = loader.state_dict()
-    assert state["epoch"] == 1 and state["position"] is None
+    assert state["epoch"] == 1 and state["stages"] is None
     assert resume(state) == run(make())[len(first):]
 
 
@@ -141,7 +206,7 @@ def test_iterable_source_resumes_by_skipping_what_was_taken():
     epoch = iter(loader)
     seen = [next(epoch).tolist() for _ in range(10)]
     state = loader.state_dict()
-    skip = state["position"]["skip"]
+    skip = state["stages"]["intake"]["skip"]
     assert 100 <= skip <= 500
     resumed = loader_over(Stream())
     resumed.load_state_dict(state)
@@ -150,7 +215,7 @@ def test_iterable_source_resumes_by_skipping_what_was_taken():
     assert len(set(sum(seen, [])) & set(rest)) == 0
 
 
-def test_bad_states_and_unsupported_loaders_are_refused():
+def test_bad_states_are_refused():
     loader = make()
     with pytest.raises(TypeError, match="state"):
         loader.load_state_dict([1, 2])
@@ -161,25 +226,56 @@ def test_bad_states_and_unsupported_loaders_are_refused():
         make(workloads.Indexed(N + 1)).load_state_dict(state)
     with pytest.raises(ValueError, match="format"):
         make().load_state_dict({**state, "format": "other"})
-    broken = {**state, "position": {**state["position"], "indices": state["position"]["indices"][::-1].copy()}}
+    with pytest.raises(ValueError, match="another version of dataecho"):
+        make().load_state_dict({**state, "format": "dataecho.EchoLoader/1"})
+    intake = state["stages"]["intake"]
+    broken = {**state, "stages": {**state["stages"], "intake": {**intake, "indices": intake["indices"][::-1].copy()}}}
     with pytest.raises(ValueError, match="indices"):
         make().load_state_dict(broken)
-    for kwargs, match in (({"deterministic": False}, "deterministic"), ({"echo_at": "batch"}, "batch")):
+    twice = {**intake, "positions": np.repeat(intake["positions"][:1], len(intake["positions"]))}
+    with pytest.raises(ValueError, match="positions|indices"):
+        make().load_state_dict({**state, "stages": {**state["stages"], "intake": twice}})
+    with pytest.raises(ValueError, match="stages"):
+        make().load_state_dict({**state, "stages": {"intake": intake}})
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"batch_size": 64}, {"echo_factor": 2}, {"shuffle_buffer": 128}, {"echo_at": "batch"}, {"drop_last": True},
+     {"shuffle": False}, {"augment": noisy}, {"max_echo": 3.0}],
+    ids=lambda change: next(iter(change)),
+)
+def test_a_state_loads_only_where_it_decides_the_same_batches(change):
+    # A mid-epoch state loaded into a loader that would batch differently would
+    # resume with mixed batch sizes or wrong echo counts: refused, naming the argument.
+    _, state = take_then_save(make(), 5)
+    name = next(iter(change))
+    with pytest.raises(ValueError, match=f"saved with {name}=.*this loader has {name}="):
+        make(**change).load_state_dict(state)
+    make(workers=1, prefetch=4).load_state_dict(state)  # what does not decide the batches may differ
+
+
+def test_unresumable_loaders_say_why():
+    for kwargs, match in (({"deterministic": False}, "deterministic=True"), ({"augment": own_noise}, "rng")):
         loader = make(**kwargs)
         epoch = iter(loader)
         next(epoch)
         with pytest.raises(ValueError, match=match):
             loader.state_dict()
         epoch.close()
+        assert loader.state_dict()["stages"] is None, "between epochs it works everywhere"
 
 
 def test_resume_with_batches_on_their_way_to_the_device():
     # device= keeps one batch in flight ahead of the one yielded: the state puts
-    # it first among the batches still to come.
+    # it first among the batches still to come, and a loader without a device
+    # resumed from it yields it too.
     pytest.importorskip("torch")
-    kwargs = {"device": "cpu", "output": "torch"}
-    reference = run(make(**kwargs))
-    for cut in (1, 3, len(reference) // 3):
-        taken, state = take_then_save(make(**kwargs), cut)
-        assert len(state["position"]["queued"]) >= 1
-        assert taken + resume(state, **kwargs) == reference, f"resumed after batch {cut}"
+    for extra in ({}, {"augment": noisy}):
+        kwargs = {"device": "cpu", "output": "torch", **extra}
+        reference = run(make(**kwargs))
+        for cut in (1, 3, len(reference) // 3):
+            taken, state = take_then_save(make(**kwargs), cut)
+            assert len(state["stages"]["device"]["in_flight"]) >= 1
+            assert taken + resume(state, **kwargs) == reference, f"resumed after batch {cut}"
+            assert taken + resume(state, **extra) == reference, f"resumed after batch {cut} without a device"

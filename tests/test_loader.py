@@ -377,14 +377,15 @@ def test_torch_output_shares_the_native_batch_memory(seed):
     loader = dataecho.EchoLoader(Records(256), batch_size=32, echo_factor=1, output="torch", seed=seed)
     epoch = iter(loader)
     native = []
-    upstream = epoch._final
+    last = epoch.stages[-1]
+    upstream = last.next
 
-    def spy(timeout):
-        arrays = upstream(timeout)
-        native.append({a.ctypes.data for a in arrays})
-        return arrays
+    def spy(timeout_s=None):
+        batch = upstream(timeout_s)
+        native.append({a.ctypes.data for a in batch.arrays})
+        return batch
 
-    epoch._final = spy
+    last.next = spy
     batch = next(epoch)
     assert isinstance(batch["x"], torch.Tensor) and batch["x"].shape == (32, 3)
     assert {batch["x"].data_ptr(), batch["id"].data_ptr()} == native[-1], "no copy"

@@ -197,7 +197,7 @@ def test_exiting_before_the_workers_attach_leaves_nothing(ending):
             it = iter(loader)
             # A daemon thread holds the epoch: it is never collected at exit.
             threading.Thread(target=lambda held: time.sleep(60), args=(it,), daemon=True).start()
-            print([p.pid for p in loader._current._producers._processes], flush=True)
+            print([w["pid"] for w in loader.stats()["workers"]], flush=True)
             if {ending!r} == "raise":
                 raise SystemExit(3)
         """

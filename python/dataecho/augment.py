@@ -1,70 +1,154 @@
 """Augmentation after the echo stage: every delivery of an example is augmented
-anew, by worker threads, and the results are batched through a second buffer.
+anew, by worker threads, and the results are batched through an output buffer
+that this stage owns.
 
 ``augment`` receives one example (the structure ``transform`` produced) whose
 arrays are read-only views of the echo stage's batch, so an in-place change
 cannot reach a repeat. It may return a different structure (a crop, an added
 field): the output batches take the structure of its first result.
+
+Each row taken from upstream gets a delivery number, in the order rows are
+taken (deterministic when the upstream is). When ``augment`` accepts a keyword
+``rng``, it is called with a generator keyed by (seed, epoch, rank, delivery
+number): its output is then a function of the seed alone, whichever thread
+runs it, and a checkpoint can name each pending row by (position, delivery)
+and have it recomputed on resume.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from typing import Any, Callable
 
 import numpy as np
 
-from .buffer import NativeBuffer
+from . import _core
+from .buffer import NativeBuffer, buffer_config
+from .config import LoaderConfig
 from .errors import BufferClosed
-from .producers import Failure
+from .fields import parse_fields
+from .source import EpochSource, stack
+from .stage import Batch, Failure, Stage
 from .structure import Structure, read_only
 
-__all__ = ["AugmentStage"]
+__all__ = ["AugmentStage", "DeliveryRng"]
+
+_SNAPSHOT_KEYS = ("batches", "rng_state", "next_seq", "available")
+
+
+class DeliveryRng:
+    """``numpy.random.Generator``s keyed by delivery number: Philox with a key
+    from (seed, epoch, rank) and the delivery number in its counter, so that
+    every delivery has its own stream (2**64 blocks long). One per thread: the
+    generator handed out for a delivery is valid until the next ``at`` call."""
+
+    def __init__(self, seed: int, epoch: int, rank: int) -> None:
+        self._key = np.random.SeedSequence([seed, epoch, rank, 0x6175676D]).generate_state(2, dtype=np.uint64)
+        self._bits = np.random.Philox(key=self._key)
+        self._empty = np.zeros(4, dtype=np.uint64)
+
+    def at(self, delivery: int) -> np.random.Generator:
+        self._bits.state = {
+            "bit_generator": "Philox",
+            "state": {"counter": np.array((0, delivery, 0, 0), dtype=np.uint64), "key": self._key},
+            "buffer": self._empty, "buffer_pos": 4, "has_uint32": 0, "uinteger": 0,
+        }
+        return np.random.Generator(self._bits)
+
+
+class _Task:
+    """Rows to augment: stacked arrays (or None: read them again from their
+    positions), each row's position (or None) and delivery number."""
+
+    __slots__ = ("arrays", "rows", "deliveries")
+
+    def __init__(self, arrays: tuple | None, rows: np.ndarray | None, deliveries: np.ndarray) -> None:
+        self.arrays, self.rows, self.deliveries = arrays, rows, deliveries
 
 
 class AugmentStage:
-    """Worker threads from an upstream batch stage to an output buffer.
+    """Worker threads from an upstream stage to an output buffer.
 
     Args:
-        upstream: ``upstream(timeout)`` returns a batch (one array per field of
-            ``structure``) or raises StopIteration; called under a lock, so it
-            need not be thread-safe.
+        upstream: the stage whose batches are augmented, pulled under ``pull_lock``.
         structure: the structure of upstream examples.
-        augment: the per-example function.
-        workers: threads.
-        make_output: builds the output buffer for the structure of augment's results.
-        failure, on_failure: where a worker's exception goes, and what stops the pipeline.
+        config: the loader's configuration (``augment``, ``workers``, sizes, seed).
+        source: this epoch's source, to read rows again on resume.
+        failure, on_failure: where a worker's exception goes, and what stops the epoch.
+        pull_lock: held while pulling from upstream (and while the epoch takes states).
+        resume: this stage's state from a checkpoint, or None.
+        pinned_batches: page-locked batch blocks to give the output buffer (0: none).
     """
 
-    def __init__(
-        self,
-        upstream: Callable[[float | None], tuple[np.ndarray, ...]],
-        structure: Structure,
-        augment: Callable[[Any], Any],
-        workers: int,
-        make_output: Callable[[Structure], NativeBuffer],
-        failure: Failure,
-        on_failure: Callable[[], None],
-    ) -> None:
-        self._upstream = upstream
-        self._structure = structure
-        self._augment = augment
-        self._make_output = make_output
-        self._failure = failure
-        self._on_failure = on_failure
-        self._take = threading.Lock()
+    name = "augment"
+
+    def __init__(self, upstream: Stage, structure: Structure, config: LoaderConfig, source: EpochSource,
+                 failure: Failure, on_failure: Callable[[], None], pull_lock: threading.Lock,
+                 resume: dict[str, Any] | None = None, pinned_batches: int = 0) -> None:
+        self._upstream, self._structure, self._source = upstream, structure, source
+        self._augment = config.augment
+        self._rng_key = (config.seed, source.epoch, config.shard.rank) if config.augment_takes_rng else None
+        self.unresumable = None if config.augment_takes_rng else (
+            "saving a position mid-epoch with augment needs augment to accept a keyword argument rng "
+            "(def augment(example, rng): ...; draw its randomness from that numpy Generator) so that "
+            "its output can be recomputed on resume")
+        self._track = config.map_style and config.deterministic  # rows carry positions
+        self._failure, self._on_failure, self._pull_lock = failure, on_failure, pull_lock
+        self._output_config = buffer_config(
+            capacity=max(4 * config.batch_size, 256), batch_size=config.batch_size, seed=source.seeds[3],
+            drop_last=config.drop_last, prefetch=config.prefetch, initial=config.batch_size,
+            deterministic=config.deterministic,
+        )
+        self._pinned_batches, self._chunk = pinned_batches, config.batch_size
         self._setup = threading.Lock()
         self._stop = threading.Event()
-        self._running = workers
-        self._rows_taken = 0  # numbers the examples in upstream order (deterministic intake)
+        self._taken = 0  # deliveries numbered so far
+        self._positions: dict[int, int] = {}  # delivery -> position, for rows not yet handed downstream
+        self._carried: deque[tuple[int, int]] = deque()  # resume: (delivery, position) to redo first
+        self._restore: _core.Snapshot | None = None
+        self._replay_rng: DeliveryRng | None = None
         self.ready = threading.Event()  # set once `output` exists or nothing will come
         self.output: NativeBuffer | None = None
         self.out_structure: Structure | None = None
+        self._ended = resume is not None and resume["output"] is not None and resume["output"]["ended"]
+        if resume is not None:
+            self._resume_from(resume)
+        workers = 0 if self._ended else config.workers
+        self._running = workers
         self._threads = [
             threading.Thread(target=self._run, name=f"dataecho-augment-{i}", daemon=True) for i in range(workers)
         ]
         for thread in self._threads:
             thread.start()
+
+    # ---- the stage ----
+
+    def next(self, timeout_s: float | None = None) -> Batch:
+        if self._ended:
+            raise StopIteration
+        while not self.ready.wait(0.05):  # in slices: Ctrl-C reaches a waiting consumer
+            pass
+        output = self.output
+        if output is None or self._failure.error is not None:
+            raise StopIteration
+        arrays = output.next_arrays(timeout_s)
+        if not self._track:
+            return Batch(self.out_structure, arrays)
+        deliveries = output.last_seqs
+        rows = np.array([self._positions.pop(d) for d in deliveries.tolist()], dtype=np.uint64)
+        return Batch(self.out_structure, arrays, rows, deliveries)
+
+    def read_batch(self, ids: dict[str, np.ndarray]) -> Batch:
+        """The output batch of rows ``ids`` (positions and delivery numbers),
+        recomputed: read again, augmented with each delivery's generator."""
+        if self._replay_rng is None:
+            self._replay_rng = DeliveryRng(*self._rng_key)
+        task = _Task(None, ids["rows"], ids["deliveries"])
+        results = list(self._augmented(task, self._replay_rng))
+        structure = self._out_structure_for(results[0][1])
+        arrays = stack(structure, [structure.flatten(result) for _, result in results])
+        return Batch(structure, arrays, ids["rows"], ids["deliveries"])
 
     def stop(self) -> None:
         # Under the set-up lock: an output created before this is aborted here,
@@ -81,9 +165,58 @@ class AugmentStage:
             if thread is not threading.current_thread():  # an epoch collected by one of its own threads
                 thread.join(timeout_s)
 
+    def counters(self) -> dict[str, Any]:
+        return {"augmented": self._taken}
+
+    def state(self) -> dict[str, Any] | None:
+        """Under the pull lock: no row is being taken from upstream meanwhile."""
+        if self.unresumable is not None:
+            return None
+        output = None if self._ended else self.output
+        snap = output.snapshot() if output is not None else None
+        queued = [] if snap is None else [
+            {"rows": np.array([self._positions[d] for d in q.tolist()], dtype=np.uint64), "deliveries": q}
+            for q in snap.queued
+        ]
+        in_queued = {d for q in queued for d in q["deliveries"].tolist()}
+        pending = sorted(d for d in self._positions if d not in in_queued)
+        return {
+            "taken": self._taken,
+            "output": None if snap is None else {
+                **{key: int(getattr(snap, key)) for key in _SNAPSHOT_KEYS},
+                "deliveries": snap.seqs, "echoes": snap.echoes, "ended": bool(snap.ended),
+            },
+            "pending": {"deliveries": np.array(pending, dtype=np.uint64),
+                        "rows": np.array([self._positions[d] for d in pending], dtype=np.uint64)},
+            "queued": queued,
+        }
+
+    def _resume_from(self, state: dict[str, Any]) -> None:
+        """Rows taken before the checkpoint and not yet handed downstream are
+        augmented again first (in delivery order); the output buffer resumes
+        from its snapshot once the resident ones among them are back."""
+        self._taken = int(state["taken"])
+        pending = state["pending"]
+        for delivery, position in zip(pending["deliveries"].tolist(), pending["rows"].tolist()):
+            self._positions[delivery] = position
+            self._carried.append((delivery, position))
+        saved = state["output"]
+        if saved is not None and not saved["ended"]:
+            self._restore = _core.Snapshot()
+            for key in _SNAPSHOT_KEYS:
+                setattr(self._restore, key, saved[key])
+            self._restore.seqs, self._restore.echoes = saved["deliveries"], saved["echoes"]
+
+    # ---- the workers ----
+
     def _run(self) -> None:
         try:
-            self._work()
+            rng = DeliveryRng(*self._rng_key) if self._rng_key is not None else None
+            while not self._stop.is_set():
+                task = self._take()
+                for delivery, result in self._augmented(task, rng):
+                    output = self.output or self._create_output(result)
+                    output.put_values(self.out_structure.flatten(result), seq=delivery)
         except (BufferClosed, StopIteration):
             pass
         except BaseException as error:  # handed to the consumer, which raises it
@@ -98,25 +231,52 @@ class AugmentStage:
                     self.output.close()
                 self.ready.set()
 
-    def _work(self) -> None:
-        while not self._stop.is_set():
-            with self._take:
-                arrays = self._upstream(None)
-                first_seq = self._rows_taken
-                self._rows_taken += len(arrays[0])
-            views = read_only(arrays)
-            for row in range(len(views[0])):
-                example = self._structure.unflatten([v[row] for v in views])
-                result = self._augment(example)
-                output = self.output or self._create_output(result)
-                output.put_values(self.out_structure.flatten(result), seq=first_seq + row)
+    def _take(self) -> _Task:
+        """The next rows to augment: carried over from a checkpoint first, then
+        the upstream's next batch (StopIteration at its end)."""
+        with self._pull_lock:
+            if self._carried:
+                chunk = [self._carried.popleft() for _ in range(min(self._chunk, len(self._carried)))]
+                deliveries, rows = zip(*chunk)
+                return _Task(None, np.array(rows, dtype=np.uint64), np.array(deliveries, dtype=np.uint64))
+            batch = self._upstream.next(None)
+            first = self._taken
+            self._taken += len(batch)
+            deliveries = np.arange(first, self._taken, dtype=np.uint64)
+            if self._track:
+                self._positions.update(zip(deliveries.tolist(), batch.rows.tolist()))
+            return _Task(batch.arrays, batch.rows, deliveries)
+
+    def _augmented(self, task: _Task, rng: DeliveryRng | None) -> Any:
+        """(delivery, augment's result) for each row of ``task``."""
+        arrays = task.arrays
+        if arrays is None:
+            arrays = self._source.read_rows(self._structure, task.rows)
+        views = read_only(arrays)
+        for row, delivery in enumerate(task.deliveries.tolist()):
+            example = self._structure.unflatten([v[row] for v in views])
+            if rng is None:
+                yield delivery, self._augment(example)
+            else:
+                yield delivery, self._augment(example, rng=rng.at(delivery))
+
+    def _out_structure_for(self, first_result: Any) -> Structure:
+        with self._setup:
+            if self.out_structure is None:
+                self.out_structure = Structure.infer(first_result)
+            return self.out_structure
 
     def _create_output(self, first_result: Any) -> NativeBuffer:
+        structure = self._out_structure_for(first_result)
         with self._setup:
             if self._stop.is_set():
                 raise BufferClosed("the epoch was stopped")
             if self.output is None:
-                self.out_structure = Structure.infer(first_result)
-                self.output = self._make_output(self.out_structure)
+                output = NativeBuffer(parse_fields(structure.fields())[0], self._output_config, self._restore)
+                if self._pinned_batches:
+                    from .torch_support import pin_batch_memory
+
+                    pin_batch_memory(output, self._pinned_batches)
+                self.output = output
                 self.ready.set()
             return self.output

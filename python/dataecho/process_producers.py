@@ -16,17 +16,21 @@ import signal
 import threading
 import time
 from multiprocessing.connection import wait
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import _worker
 from .buffer import NativeBuffer
-from .producers import Failure
+from .stage import Failure
 from .structure import Structure
 
-__all__ = ["ProcessProducers", "check_picklable", "default_start_method"]
+if TYPE_CHECKING:
+    from .config import LoaderConfig
+    from .source import EpochSource
+
+__all__ = ["PROCESS_GRACE_S", "ProcessProducers", "check_picklable", "default_start_method"]
 
 _POLL_S = 0.05
-_JOIN_S = 2.0
+PROCESS_GRACE_S = 2.0  # a stopped worker gets this long to exit before it is terminated
 
 
 def default_start_method() -> str:
@@ -62,14 +66,12 @@ class ProcessProducers:
 
     Args:
         buffer: the echo buffer, created with a shared region.
-        structure, fields: the example structure and the buffer's fields.
-        source, transform: sent to each worker.
-        workers: processes.
-        start_method: multiprocessing start method.
-        map_style: ``source`` is indexed; else iterated by every worker.
-        order: this rank's reading order of a map-style source (positions are
-            claimed from the buffer's counter, set by the caller), else None.
-        seed: base for each worker's seed.
+        structure: the example structure.
+        source: this epoch's view of the source: the source pickled for the
+            workers, this rank's reading order of a map-style source (positions
+            are claimed from the buffer's counter, set by the caller) or None,
+            and the seed each worker's seed derives from.
+        config: the loader's configuration (``transform``, ``workers``, ``start_method``).
         failure, on_failure: where an error goes, and what stops the pipeline.
     """
 
@@ -77,13 +79,8 @@ class ProcessProducers:
         self,
         buffer: NativeBuffer,
         structure: Structure,
-        source: Any,
-        transform: Callable[[Any], Any] | None,
-        workers: int,
-        start_method: str,
-        map_style: bool,
-        order: Any,
-        seed: int,
+        source: EpochSource,
+        config: LoaderConfig,
         failure: Failure,
         on_failure: Callable[[], None],
     ) -> None:
@@ -91,38 +88,35 @@ class ProcessProducers:
         self._failure = failure
         self._on_failure = on_failure
         self._stop = threading.Event()
-        self.workers = workers
-        context = multiprocessing.get_context(start_method)
-        if start_method == "forkserver":
+        self.workers = config.workers
+        context = multiprocessing.get_context(config.start_method)
+        if config.start_method == "forkserver":
             context.set_forkserver_preload(["dataecho._worker"])
         self._processes: list[Any] = []
         self._pipes: list[Any] = []
         self._monitor: threading.Thread | None = None
         try:
-            self._start(context, structure, source, transform, map_style, order, seed)
+            self._start(context, structure, source, config.transform)
         except BaseException:
             # Ctrl-C (or a failed start) part-way: the workers already started stop too.
             buffer.abort()
             self.join()
             raise
 
-    def _start(
-        self, context: Any, structure: Structure, source: Any, transform: Callable[[Any], Any] | None,
-        map_style: bool, order: Any, seed: int,
-    ) -> None:
+    def _start(self, context: Any, structure: Structure, source: EpochSource, transform: Any) -> None:
         workers, buffer = self.workers, self._buffer
         for worker in range(workers):
             spec = _worker.WorkerSpec(
                 region=buffer.region_name,
                 fields=buffer.fields,
                 structure=structure,
-                source=source,
+                source=source.for_workers,
                 transform=transform,
                 worker_id=worker,
                 num_workers=workers,
-                seed=(seed + 7919 * (worker + 1)) % (1 << 63),
-                map_style=map_style,
-                order=order,
+                seed=(source.seeds[1] + 7919 * (worker + 1)) % (1 << 63),
+                map_style=source.order is not None,
+                order=source.order,
             )
             receiver, sender = context.Pipe(duplex=False)
             process = context.Process(
@@ -140,7 +134,7 @@ class ProcessProducers:
     def stop(self) -> None:
         self._stop.set()
 
-    def join(self, timeout_s: float = _JOIN_S) -> None:
+    def join(self, timeout_s: float = PROCESS_GRACE_S) -> None:
         """Waits for the workers (the buffer must be closed or aborted first), then
         terminates and kills any that linger. No child process is left."""
         deadline = time.monotonic() + timeout_s
@@ -163,14 +157,12 @@ class ProcessProducers:
         # closed its descriptor already, and the number may be in use again.)
         self._pipes.clear()
 
-    def alive(self) -> int:
-        return sum(p.is_alive() for p in self._processes)
-
     def counters(self) -> list[dict[str, float]]:
-        """Per worker: examples produced and seconds busy reading and transforming."""
+        """Per worker: its process id, examples produced and seconds busy reading
+        and transforming."""
         return [
-            {"produced": produced, "busy_s": busy_ns * 1e-9}
-            for produced, busy_ns in self._buffer.worker_counters(self.workers)
+            {"pid": process.pid, "produced": produced, "busy_s": busy_ns * 1e-9}
+            for process, (produced, busy_ns) in zip(self._processes, self._buffer.worker_counters(self.workers))
         ]
 
     # ---- the monitor ----

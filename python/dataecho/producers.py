@@ -11,39 +11,22 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
 from .buffer import NativeBuffer
 from .errors import BufferClosed
+from .stage import Failure
 from .structure import Structure
 
-__all__ = ["Failure", "Producers"]
+if TYPE_CHECKING:
+    from .config import LoaderConfig
+    from .source import EpochSource
+
+__all__ = ["Producers"]
 
 _END = object()
-
-
-class Failure:
-    """The first exception raised by any thread of a pipeline, kept for the consumer."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.error: BaseException | None = None
-
-    def set(self, error: BaseException) -> bool:
-        """Records ``error`` if it is the first; returns whether it was."""
-        with self._lock:
-            if self.error is not None:
-                return False
-            self.error = error
-            return True
-
-    def raise_if_set(self) -> None:
-        if self.error is not None:
-            # Re-raising the worker's own exception keeps its traceback (the
-            # worker's frames) and adds the consumer's.
-            raise self.error
 
 
 class Producers:
@@ -52,8 +35,8 @@ class Producers:
     Args:
         buffer: where examples go; closed when the source is exhausted.
         structure: checks and flattens each example.
-        transform: per-example function, or None.
-        workers: threads that run ``transform`` (and read a map-style source).
+        source: this epoch's view of the source (order or iterator).
+        config: the loader's configuration (``transform``, ``workers``).
         failure: where the first exception goes; ``on_failure`` is then called.
         on_failure: stops the pipeline (aborts its buffers).
     """
@@ -62,15 +45,16 @@ class Producers:
         self,
         buffer: NativeBuffer,
         structure: Structure,
-        transform: Callable[[Any], Any] | None,
-        workers: int,
+        source: EpochSource,
+        config: LoaderConfig,
         failure: Failure,
         on_failure: Callable[[], None],
     ) -> None:
         self._buffer = buffer
         self._structure = structure
-        self._transform = transform
-        self._workers = workers
+        self._source = source
+        self._transform = config.transform
+        self._workers = config.workers
         self._failure = failure
         self._on_failure = on_failure
         self._threads: list[threading.Thread] = []
@@ -80,6 +64,14 @@ class Producers:
         self._counters: dict[int, list] = {}  # thread id -> [produced, busy seconds]
 
     # ---- starting ----
+
+    def start(self, first_seq: int = 0) -> None:
+        """Starts reading: positions the buffer hands out (map-style), or the
+        iterator's examples numbered from ``first_seq``."""
+        if self._source.order is not None:
+            self.start_map(self._source.config.source, self._source.order)
+        else:
+            self.start_iterable(self._source.iterator, first_seq)
 
     def start_map(self, source: Any, order: np.ndarray) -> None:
         """Reads ``source[order[p]]`` on every worker, for each position p the
@@ -148,9 +140,6 @@ class Producers:
         for thread in self._threads:
             if thread is not threading.current_thread():  # an epoch collected by one of its own threads
                 thread.join(max(0.0, deadline - time.monotonic()))
-
-    def alive(self) -> int:
-        return sum(t.is_alive() for t in self._threads)
 
     def counters(self) -> list[dict[str, float]]:
         """Per thread: examples produced and seconds busy reading and transforming."""

@@ -30,6 +30,8 @@ __all__ = [
     "CudaBackend",
     "DeviceMover",
     "allocate_pinned",
+    "import_torch",
+    "pin_batch_memory",
     "pinned_pointers",
     "to_torch",
 ]
@@ -39,7 +41,8 @@ __all__ = [
 _READ_ONLY_WARNING = "The given NumPy array is not writable"
 
 
-def _torch() -> Any:
+def import_torch() -> Any:
+    """torch, imported now; an ImportError that says how to install it."""
     try:
         import torch
     except ImportError as exc:
@@ -97,7 +100,7 @@ def to_torch(tree: Any) -> Any:
             which torch cannot view without a copy; named the same way.
         ImportError: torch is not installed.
     """
-    torch = _torch()
+    torch = import_torch()
     return _map_tree(lambda leaf, path: _array_to_tensor(torch, leaf, path), tree, "tree")
 
 
@@ -141,7 +144,7 @@ def allocate_pinned(nbytes: int, count: int) -> list[torch.Tensor]:
     """
     nbytes = _checks.positive_int("nbytes", nbytes)
     count = _checks.positive_int("count", count)
-    torch = _torch()
+    torch = import_torch()
     if not torch.cuda.is_available():
         raise RuntimeError(
             f"pin_memory=True needs CUDA, but torch.cuda.is_available() is False "
@@ -166,6 +169,14 @@ def pinned_pointers(blocks: list[torch.Tensor]) -> list[tuple[int, int]]:
             raise ValueError(f"pinned_pointers(): blocks[{i}] is not contiguous")
         out.append((int(block.data_ptr()), block.numel() * block.element_size()))
     return out
+
+
+def pin_batch_memory(buffer: Any, count: int) -> None:
+    """Gives ``buffer`` (a NativeBuffer) ``count`` page-locked blocks of batch
+    memory, allocated once; past those its pool falls back to pageable memory."""
+    blocks = allocate_pinned(buffer.batch_bytes, count)
+    for block, (address, nbytes) in zip(blocks, pinned_pointers(blocks)):
+        buffer.add_batch_memory(address, nbytes, block)
 
 
 # ---- copies to a device ----
@@ -213,7 +224,7 @@ class CudaBackend:
     """:class:`Backend` on ``torch.cuda`` streams and events, for one device."""
 
     def __init__(self, device: torch.device) -> None:
-        torch = _torch()
+        torch = import_torch()
         if not torch.cuda.is_available():
             raise RuntimeError(f"DeviceMover: device {device} needs CUDA, but torch.cuda.is_available() is False")
         if device.index is None:
@@ -330,7 +341,7 @@ class DeviceMover:
     """
 
     def __init__(self, device: Any, backend: Backend | None = None) -> None:
-        torch = _torch()
+        torch = import_torch()
         self.device = torch.device(device)
         if backend is None:
             if self.device.type == "cuda":

@@ -1,0 +1,237 @@
+"""``EchoLoader``'s configuration: every argument validated once, here.
+
+:func:`loader_config` checks the arguments (each error names its argument and
+says what was expected) and returns a frozen :class:`LoaderConfig`, which the
+rest of the pipeline reads without checking again. Limits come from the native
+module (``_core.MAX_ECHO``, ``_core.MAX_CAPACITY``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import multiprocessing
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from . import _checks, _core
+from .distributed import Shard, resolve_shard
+from .process_producers import check_picklable, default_start_method
+from .ray_source import RayRows, is_ray_data
+
+__all__ = ["LoaderConfig", "is_map_style", "loader_config"]
+
+DEFAULT_EXAMPLES = 4096  # shuffle_buffer with echo_at="example"
+DEFAULT_BATCHES = 16  # ... with echo_at="batch"
+
+
+def is_map_style(source: Any) -> bool:
+    """A dataset read by index: ``__len__`` and ``__getitem__`` (not a str or bytes)."""
+    return hasattr(source, "__len__") and hasattr(source, "__getitem__") and not isinstance(source, (str, bytes))
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """The validated arguments of an ``EchoLoader`` (see its docstring), plus
+    what follows from them."""
+
+    source: Any
+    batch_size: int
+    echo_factor: float | str
+    echo_at: str
+    transform: Callable[[Any], Any] | None
+    augment: Callable[..., Any] | None
+    shuffle_buffer: int
+    workers: int
+    shuffle: bool
+    seed: int
+    drop_last: bool
+    prefetch: int
+    max_echo: float
+    output: str
+    pin_memory: bool
+    device: Any
+    worker_type: str
+    start_method: str | None
+    deterministic: bool
+    shard: Shard
+
+    @property
+    def map_style(self) -> bool:
+        return is_map_style(self.source)
+
+    @property
+    def exact_echo(self) -> bool:
+        """Echo counts by position (exactly floor(n * e) deliveries of n examples):
+        deterministic order needs them, and so do equal batch counts on every rank."""
+        return self.deterministic or self.shard.world_size > 1
+
+    @property
+    def augment_takes_rng(self) -> bool:
+        """``augment`` accepts an ``rng`` keyword: it is given a generator per delivery."""
+        return self.augment is not None and accepts_keyword(self.augment, "rng")
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What decides the sequence of batches, besides the source's contents:
+        a checkpoint resumes only a loader with the same values."""
+        return {
+            "seed": self.seed,
+            "rank": self.shard.rank,
+            "world_size": self.shard.world_size,
+            "length": len(self.source) if self.map_style else None,
+            "batch_size": self.batch_size,
+            "echo_factor": self.echo_factor,
+            "echo_at": self.echo_at,
+            "shuffle_buffer": self.shuffle_buffer,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "deterministic": self.deterministic,
+            "max_echo": self.max_echo,
+            "augment": "none" if self.augment is None else "rng" if self.augment_takes_rng else "own randomness",
+        }
+
+
+def loader_config(source: Any, **arguments: Any) -> LoaderConfig:
+    """Validates ``EchoLoader``'s arguments (its keywords, by name).
+
+    Raises:
+        TypeError, ValueError: a bad argument, named in the message.
+        RuntimeError: ``pin_memory`` or a CUDA ``device`` without CUDA.
+    """
+    a = arguments
+    worker_type = _checks.choice("worker_type", a["worker_type"], ("thread", "process"))
+    source = _check_source(source, worker_type)
+    batch_size = _checks.positive_int("batch_size", a["batch_size"])
+    echo_at = _checks.choice("echo_at", a["echo_at"], ("example", "batch"))
+    for name in ("transform", "augment"):
+        if a[name] is not None and not callable(a[name]):
+            raise TypeError(f"{name}: expected a callable or None, got {type(a[name]).__name__}")
+    shuffle_buffer = _check_shuffle_buffer(a["shuffle_buffer"], batch_size, echo_at, a["augment"] is not None)
+    shard = resolve_shard(a["rank"], a["world_size"])
+    # Ranks must agree on the epoch's permutation: a common seed.
+    seed = _checks.seed(0 if a["seed"] is None and shard.world_size > 1 else a["seed"])
+    deterministic = _checks.flag("deterministic", a["deterministic"])
+    echo_factor = _check_echo(a["echo_factor"], deterministic, shard)
+    pin_memory = _checks.flag("pin_memory", a["pin_memory"])
+    config = LoaderConfig(
+        source=source, batch_size=batch_size, echo_factor=echo_factor, echo_at=echo_at,
+        transform=a["transform"], augment=a["augment"], shuffle_buffer=shuffle_buffer,
+        workers=_checks.positive_int("workers", a["workers"], 1024), shuffle=_checks.flag("shuffle", a["shuffle"]),
+        seed=seed, drop_last=_checks.flag("drop_last", a["drop_last"]),
+        prefetch=_checks.positive_int("prefetch", a["prefetch"], 1 << 16),
+        max_echo=_checks.real("max_echo", a["max_echo"], 1.0, _core.MAX_ECHO),
+        output=_checks.choice("output", a["output"], ("numpy", "torch")), pin_memory=pin_memory,
+        device=_check_device(a["device"], pin_memory), worker_type=worker_type,
+        start_method=a["start_method"], deterministic=deterministic, shard=shard,
+    )
+    if worker_type == "process":
+        config = _check_processes(config)
+    return config
+
+
+def accepts_keyword(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` can be called with the keyword ``name`` (named, or **kwargs)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD
+        or (p.name == name and p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
+        for p in parameters
+    )
+
+
+def _check_source(source: Any, worker_type: str) -> Any:
+    if is_ray_data(source):
+        if worker_type == "process":
+            raise ValueError(
+                "worker_type: a Ray dataset is read in this process (Ray runs its preprocessing); "
+                "use worker_type='thread'"
+            )
+        source = RayRows(source)
+    if not (is_map_style(source) or isinstance(source, Iterable)):
+        raise TypeError(
+            f"source: expected an iterable or a map-style dataset (__len__ and __getitem__), "
+            f"got {type(source).__name__}"
+        )
+    return source
+
+
+def _check_shuffle_buffer(value: Any, batch_size: int, echo_at: str, augment: bool) -> int:
+    if value is None:
+        value = DEFAULT_BATCHES if echo_at == "batch" else DEFAULT_EXAMPLES
+    else:
+        value = _checks.positive_int("shuffle_buffer", value, _core.MAX_CAPACITY)
+    if echo_at == "example" and value < batch_size:
+        raise ValueError(f"shuffle_buffer: {value} examples cannot hold a batch of {batch_size}")
+    # An epoch's native buffers hold at most MAX_CAPACITY examples each:
+    # shuffle_buffer examples (echo_at="example"), 2 batches (echo_at="batch"),
+    # 4 (the output of augment).
+    held = 4 if augment else 2 if echo_at == "batch" else 1
+    if batch_size * held > _core.MAX_CAPACITY:
+        raise ValueError(
+            f"batch_size: expected at most {_core.MAX_CAPACITY // held} (a buffer of this epoch holds "
+            f"{held} batches, at most {_core.MAX_CAPACITY} examples), got {batch_size}"
+        )
+    return value
+
+
+def _check_echo(value: Any, deterministic: bool, shard: Shard) -> float | str:
+    echo_factor = _checks.echo_factor(value)
+    if echo_factor == "auto" and (deterministic or shard.world_size > 1):
+        why = "deterministic=True" if deterministic else f"world_size={shard.world_size}"
+        raise ValueError(
+            f"echo_factor: 'auto' adapts to timing, so its batches (and their number per rank) "
+            f"cannot be fixed in advance as {why} needs; give a number"
+        )
+    return echo_factor
+
+
+def _check_device(device: Any, pin_memory: bool) -> Any:
+    if device is None and not pin_memory:
+        return None
+    from .torch_support import import_torch
+
+    torch = import_torch()
+    if pin_memory and not torch.cuda.is_available():
+        raise RuntimeError("pin_memory=True needs CUDA, and torch.cuda.is_available() is False")
+    if device is None:
+        return None
+    try:
+        device = torch.device(device)
+    except (TypeError, ValueError, RuntimeError) as exc:  # ValueError: an index beyond int64
+        raise ValueError(f"device: {device!r} is not a torch device ({exc})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device: {device} needs CUDA, and torch.cuda.is_available() is False")
+    return device
+
+
+def _check_processes(config: LoaderConfig) -> LoaderConfig:
+    """worker_type="process": a start method that works, and what workers get pickles."""
+    method = config.start_method
+    if method is None:
+        method = default_start_method()
+    elif not isinstance(method, str):
+        raise TypeError(f"start_method: expected None or a str, got {method!r}")
+    elif method == "fork":
+        raise ValueError(
+            "start_method: 'fork' is unsafe in a process that runs native threads (the buffer's "
+            "assembler); use 'forkserver' or 'spawn'"
+        )
+    elif method not in multiprocessing.get_all_start_methods():
+        raise ValueError(f"start_method: expected one of {multiprocessing.get_all_start_methods()}, got {method!r}")
+    check_picklable("source", config.source)
+    check_picklable("transform", config.transform)
+    if config.deterministic and not config.map_style:
+        raise ValueError(
+            "deterministic: worker processes each read their own shard of an iterable, which "
+            "have no common order; use a map-style source, or worker_type='thread'"
+        )
+    return _replace(config, start_method=method)
+
+
+def _replace(config: LoaderConfig, **changes: Any) -> LoaderConfig:
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)

@@ -1,0 +1,162 @@
+"""One pass over the source: the iterator ``iter(EchoLoader)`` returns.
+
+The epoch reads one example to learn the structure if it is not known yet,
+has :func:`dataecho.chain.build_chain` start the stages, then pulls batches
+from the last stage, timing the waits. It stops and joins the stages, last to
+first, at the end, on an error, on ``close()``, or when it is dropped (a loop
+left early). Its state for a checkpoint is ``{stage name: stage.state()}``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from .chain import JOIN_TIMEOUT_S, Chain, build_chain, checkpoint_mode
+from .config import LoaderConfig
+from .source import NOTHING, EpochSource
+from .stage import Batch, weakly
+from .structure import Structure
+
+__all__ = ["Epoch"]
+
+
+class Epoch:
+    """An epoch's stages and its consumer side.
+
+    Args:
+        config: the loader's configuration.
+        epoch: the epoch number.
+        structure: the examples' structure if known (from an earlier epoch), else None.
+        resume: {stage name: state} from a checkpoint, or None.
+        on_finish: called once at the end with this epoch's counters and the
+            per-worker counters.
+
+    Attributes:
+        epoch: the epoch number.
+        structure: the examples' structure (None for an empty source).
+        stages: the chain's stages, first to last (empty for an empty epoch).
+    """
+
+    def __init__(self, config: LoaderConfig, epoch: int, structure: Structure | None,
+                 resume: dict[str, Any] | None, on_finish: Callable[[dict, list], None]) -> None:
+        self.epoch = epoch
+        self._config, self._on_finish = config, on_finish
+        self._closed = False
+        self._started = time.perf_counter()
+        self._wait_s, self._delivered, self._batches = 0.0, 0, 0
+        self._chain = Chain(mode=checkpoint_mode(config))
+        skip = (resume or {}).get("intake", {}).get("skip", 0) if not config.map_style else 0
+        source = EpochSource(config, epoch, skip)
+        try:
+            first = NOTHING
+            if structure is None:
+                first = source.first()
+                structure = None if first is NOTHING else Structure.infer(first)
+            self.structure = structure
+            if structure is not None:
+                build_chain(self._chain, config, structure, source, first, resume, weakly(self.abort))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def stages(self) -> list[Any]:
+        return self._chain.stages
+
+    # ---- consuming ----
+
+    def __iter__(self) -> Epoch:
+        return self
+
+    def __next__(self) -> Any:
+        start = time.perf_counter()
+        try:
+            batch = self._next_batch()
+        except StopIteration:
+            # The end, or a stage failed: either way the epoch is over. Its
+            # threads and processes are stopped before the error reaches the loop.
+            self._finish()
+            self._chain.failure.raise_if_set()
+            raise
+        except BaseException:
+            self.close()  # Ctrl-C, or an error of the native core: stop every stage
+            raise
+        finally:
+            self._wait_s += time.perf_counter() - start
+        self._batches += 1
+        self._delivered += len(batch)
+        return self._output(batch)
+
+    def _next_batch(self) -> Batch:
+        if self._closed or not self._chain.stages:
+            raise StopIteration
+        return self._chain.stages[-1].next(None)
+
+    def _output(self, batch: Batch) -> Any:
+        if self._config.output == "torch" and self._config.device is None:
+            from .torch_support import to_torch
+
+            return batch.structure.unflatten(batch.arrays, wrap=to_torch)
+        return batch.structure.unflatten(batch.arrays)
+
+    # ---- checkpoints and counters ----
+
+    def state(self) -> dict[str, Any]:
+        """{stage name: state} between two batches (see dataecho.checkpoint).
+
+        Raises:
+            ValueError: a stage whose state cannot be saved, with its reason.
+        """
+        chain = self._chain
+        stages = chain.stages if chain.mode == "exact" else chain.stages[:1]
+        for stage in stages:
+            if stage.unresumable is not None:
+                raise ValueError(f"state_dict: {stage.unresumable}")
+        with chain.pull_lock:  # no batch is half-way between two stages meanwhile
+            return {stage.name: stage.state() for stage in stages}
+
+    def counters(self) -> dict[str, float]:
+        first = self._chain.stages[0].counters() if self._chain.stages else {}
+        return {
+            "fresh": first.get("fresh", 0),
+            "delivered": self._delivered,
+            "batches": self._batches,
+            "wait_s": self._wait_s,
+            "active_s": time.perf_counter() - self._started,
+        }
+
+    def worker_counters(self) -> list[dict[str, float]]:
+        return self._chain.stages[0].counters()["workers"] if self._chain.stages else []
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ---- shutting down ----
+
+    def abort(self) -> None:
+        """Stops every stage at once (an error in a stage thread, or the consumer
+        leaving); callable from any thread."""
+        for stage in reversed(self._chain.stages):
+            stage.stop()
+
+    def close(self) -> None:
+        """Stops this epoch's threads and processes and waits for them (idempotent)."""
+        self._finish()
+
+    def _finish(self, wait: bool = True) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.abort()
+        for stage in reversed(self._chain.stages):
+            stage.join(JOIN_TIMEOUT_S if wait else 0.0)
+        self._on_finish(self.counters(), self.worker_counters())
+
+    def __del__(self) -> None:
+        # The last reference went (the loop left, the loader was deleted): stop
+        # every stage. Threads are not waited for (one may be inside the user's
+        # code); each ends at its next put. Worker processes are reaped.
+        if not getattr(self, "_closed", True):
+            self._finish(wait=False)

@@ -1,0 +1,180 @@
+"""The first stage of an epoch: the source, its producers (threads or worker
+processes) and the echo buffer they fill.
+
+Example echoing happens in the echo buffer itself; with ``echo_at="batch"`` it
+shuffles examples with factor 1 and the batch echo stage repeats its batches.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import numpy as np
+
+from . import _core
+from .buffer import NativeBuffer, buffer_config
+from .config import DEFAULT_EXAMPLES, LoaderConfig
+from .fields import parse_fields
+from .process_producers import PROCESS_GRACE_S, ProcessProducers
+from .producers import Producers
+from .source import NOTHING, EpochSource
+from .stage import Batch, Failure
+from .structure import Structure
+
+__all__ = ["IntakeStage"]
+
+_SNAPSHOT_KEYS = ("batches", "rng_state", "next_seq", "available")
+
+
+class IntakeStage:
+    """Reads the source into the echo buffer; yields the buffer's batches.
+
+    Args:
+        config: the loader's configuration.
+        source: this epoch's view of the source.
+        structure: the examples' structure.
+        first: an example already read (transformed) to learn the structure, or
+            NOTHING; it is put first, numbered 0.
+        failure, on_failure: where a producer's exception goes, and what stops the epoch.
+        resume: this stage's state from a checkpoint, or None.
+        pinned_batches: page-locked batch blocks to give the echo buffer (0: none).
+    """
+
+    name = "intake"
+
+    def __init__(self, config: LoaderConfig, source: EpochSource, structure: Structure, first: Any,
+                 failure: Failure, on_failure: Callable[[], None], resume: dict[str, Any] | None = None,
+                 pinned_batches: int = 0) -> None:
+        self._config, self._source, self.structure = config, source, structure
+        self.unresumable = _unresumable(config)
+        self._exact = config.map_style and config.deterministic
+        self._skipped = resume.get("skip", 0) if resume and not config.map_style else 0
+        self._buffer: NativeBuffer | None = None
+        self._producers: Producers | ProcessProducers | None = None
+        if resume is not None and resume.get("ended"):
+            return  # nothing more to assemble: only the queued batches, replayed downstream
+        self._buffer = NativeBuffer(parse_fields(structure.fields())[0], self._buffer_config(),
+                                    _restore_snapshot(resume) if self._exact and resume else None)
+        if pinned_batches:
+            from .torch_support import pin_batch_memory
+
+            pin_batch_memory(self._buffer, pinned_batches)
+        self._start(first, resume, failure, on_failure)
+
+    def _buffer_config(self) -> _core.BufferConfig:
+        config = self._config
+        per_example = config.echo_at == "example"
+        auto = per_example and config.echo_factor == "auto"
+        return buffer_config(
+            capacity=config.shuffle_buffer if per_example else max(2 * config.batch_size, DEFAULT_EXAMPLES),
+            batch_size=config.batch_size, echo_factor=float(config.echo_factor) if per_example and not auto else 1.0,
+            auto_echo=auto, max_echo=config.max_echo, seed=self._source.seeds[2],
+            # With augment, its output buffer decides what a short last batch means.
+            drop_last=config.drop_last and config.augment is None, prefetch=config.prefetch,
+            # Batch echoing: batches flow from the first one on; the example
+            # shuffle behind them still grows to its capacity.
+            initial=0 if per_example else config.batch_size,
+            shared=config.worker_type == "process", deterministic=config.deterministic,
+            exact_echo=config.exact_echo and per_example,
+        )
+
+    def _start(self, first: Any, resume: dict[str, Any] | None, failure: Failure,
+               on_failure: Callable[[], None]) -> None:
+        config, buffer, source = self._config, self._buffer, self._source
+        start = 0 if first is NOTHING else 1
+        if config.map_style:
+            if resume is not None:
+                first, start = NOTHING, resume["next_seq"]  # the first example only told the structure
+            # Positions of the order are claimed by producers (threads or
+            # processes) from a counter in the buffer's region; a position is
+            # also the example's sequence number for deterministic intake.
+            buffer.set_index_range(start, len(source))
+            if resume is not None:
+                self._put_resident(resume["positions"])
+        if first is not NOTHING and (config.map_style or config.worker_type == "thread"):
+            buffer.put_values(self.structure.flatten(first), seq=0)
+        if config.worker_type == "process":
+            self._producers = ProcessProducers(buffer, self.structure, source, config, failure, on_failure)
+        else:
+            self._producers = Producers(buffer, self.structure, source, config, failure, on_failure)
+            self._producers.start(first_seq=start)
+
+    def _put_resident(self, positions: np.ndarray) -> None:
+        """Resume: reads the resident examples again and puts them with their
+        numbers, before any producer starts (the buffer waits for all of them)."""
+        positions = sorted(int(p) for p in positions)
+        if not positions:
+            return
+        structure, source = self.structure, self._source
+        with ThreadPoolExecutor(max_workers=min(self._config.workers, len(positions))) as pool:
+            for position, example in zip(positions, pool.map(source.read, positions)):
+                self._buffer.put_values(structure.flatten(example), seq=position)
+
+    # ---- the stage ----
+
+    def next(self, timeout_s: float | None = None) -> Batch:
+        if self._buffer is None:
+            raise StopIteration
+        arrays = self._buffer.next_arrays(timeout_s)
+        return Batch(self.structure, arrays, self._buffer.last_seqs if self._exact else None)
+
+    def read_batch(self, ids: dict[str, np.ndarray]) -> Batch:
+        """The batch whose rows are at positions ``ids["rows"]``, read again."""
+        return Batch(self.structure, self._source.read_rows(self.structure, ids["rows"]), ids["rows"])
+
+    def stop(self) -> None:
+        if self._producers is not None:
+            self._producers.stop()
+        if self._buffer is not None:
+            self._buffer.abort()
+
+    def join(self, timeout_s: float) -> None:
+        if isinstance(self._producers, ProcessProducers):
+            timeout_s = max(timeout_s, PROCESS_GRACE_S)  # worker processes are always reaped
+        if self._producers is not None:
+            self._producers.join(timeout_s)
+
+    def state(self) -> dict[str, Any] | None:
+        if self.unresumable is not None:
+            return None
+        if not self._config.map_style:
+            return {"skip": self._skipped + self.counters()["fresh"]}
+        if self._buffer is None:
+            return {"ended": True, "queued": []}
+        snap = self._buffer.snapshot()
+        state = {key: int(getattr(snap, key)) for key in _SNAPSHOT_KEYS}
+        positions = snap.seqs
+        state.update(
+            positions=positions,
+            indices=np.asarray(self._source.order, dtype=np.int64)[positions.astype(np.int64)],
+            echoes=snap.echoes,
+            queued=[{"rows": rows} for rows in snap.queued],
+            ended=bool(snap.ended),
+        )
+        return state
+
+    def counters(self) -> dict[str, Any]:
+        return {
+            "fresh": self._buffer.stats()["fresh"] if self._buffer is not None else 0,
+            "workers": self._producers.counters() if self._producers is not None else [],
+        }
+
+
+def _unresumable(config: LoaderConfig) -> str | None:
+    if not config.map_style:
+        if config.worker_type == "process":
+            return ("worker processes each read their own shard of an iterable source, so there is no "
+                    "single position to skip to; use a map-style source")
+        return None
+    if not config.deterministic:
+        return "saving a position mid-epoch needs deterministic=True (otherwise the order depends on thread timing)"
+    return None
+
+
+def _restore_snapshot(state: dict[str, Any]) -> _core.Snapshot:
+    snap = _core.Snapshot()
+    for key in _SNAPSHOT_KEYS:
+        setattr(snap, key, state[key])
+    snap.seqs, snap.echoes = state["positions"], state["echoes"]
+    return snap

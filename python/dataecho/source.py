@@ -1,0 +1,112 @@
+"""What one epoch reads: the reading order of a map-style source (this rank's
+shard of a seeded permutation) or an iterator over an iterable one, with
+``transform`` applied, and the per-epoch seeds.
+
+Positions in the order are also the examples' sequence numbers: a checkpoint
+names an example by its position, and :meth:`EpochSource.read_rows` reads any
+of them again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+from typing import Any, Iterator
+
+import numpy as np
+
+from .config import LoaderConfig
+from .fields import parse_fields, to_field_array
+from .structure import Structure
+
+__all__ = ["EpochSource", "Pickled", "order_seed"]
+
+NOTHING = object()
+
+
+def order_seed(seed: int, epoch: int) -> int:
+    """The seed of an epoch's reading order: the same on every rank."""
+    return int(np.random.SeedSequence([seed, epoch]).generate_state(1, dtype=np.uint64)[0])
+
+
+class EpochSource:
+    """The source as one epoch reads it.
+
+    Args:
+        config: the loader's configuration.
+        epoch: the epoch number (seeds the order).
+        skip: iterable sources: examples to read and drop first (a resume).
+
+    Attributes:
+        order: map-style: the dataset index at each position this rank reads;
+            None for iterables.
+        seeds: per-rank seeds of this epoch: [unused, batch echo and workers,
+            echo buffer, augment output].
+        for_workers: the source pickled once (worker processes), taken before
+            this process reads from it, so that its reads do not leak into the
+            workers' copies; else None.
+    """
+
+    def __init__(self, config: LoaderConfig, epoch: int, skip: int = 0) -> None:
+        self.config = config
+        self.epoch = epoch
+        source = config.source
+        self.for_workers = Pickled(source) if config.worker_type == "process" else None
+        self.order: np.ndarray | None = None
+        self.iterator: Iterator[Any] | None = None
+        if config.map_style:
+            # The same permutation on every rank (seeded by seed and epoch alone),
+            # of which this rank reads its shard.
+            self.order = config.shard.order(len(source), config.shuffle, order_seed(config.seed, epoch),
+                                            config.drop_last)
+        else:
+            self.iterator = itertools.islice(iter(source), skip, None) if skip else iter(source)
+        # The shuffle, echo and worker seeds differ per rank.
+        seeds = np.random.SeedSequence([config.seed, epoch, config.shard.rank]).generate_state(4, dtype=np.uint64)
+        self.seeds = [int(s) for s in seeds]
+
+    def __len__(self) -> int:
+        """Positions in this epoch's order (map-style sources)."""
+        return 0 if self.order is None else len(self.order)
+
+    def first(self) -> Any:
+        """The first example, transformed, or NOTHING for an empty epoch. Reads
+        position 0 of a map-style order, or takes the iterator's first example."""
+        if self.order is not None:
+            return self.read(0) if len(self.order) else NOTHING
+        example = next(self.iterator, NOTHING)
+        return example if example is NOTHING else self.transformed(example)
+
+    def read(self, position: int) -> Any:
+        """The example at ``position`` of the order, transformed."""
+        return self.transformed(self.config.source[int(self.order[position])])
+
+    def transformed(self, example: Any) -> Any:
+        transform = self.config.transform
+        return example if transform is None else transform(example)
+
+    def read_rows(self, structure: Structure, rows: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The examples at ``rows`` (positions), stacked as the buffer would
+        gather them: the batches a resumed epoch re-reads."""
+        return stack(structure, [structure.flatten(self.read(int(p))) for p in rows])
+
+
+def stack(structure: Structure, examples: list[list]) -> tuple[np.ndarray, ...]:
+    """Flattened examples stacked into one array per leaf, converted to the
+    structure's fields as a put would."""
+    fields, _ = parse_fields(structure.fields())
+    return tuple(
+        np.stack([to_field_array(leaves[i], f, None, "resume") for leaves in examples])
+        for i, f in enumerate(fields)
+    )
+
+
+class Pickled:
+    """A value pickled once, so that every worker gets the same bytes (and the
+    parent's later reads from it do not leak into the workers' copies)."""
+
+    def __init__(self, value: Any) -> None:
+        self._bytes = pickle.dumps(value)
+
+    def __reduce__(self) -> tuple:
+        return pickle.loads, (self._bytes,)
