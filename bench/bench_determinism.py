@@ -8,7 +8,9 @@
 2. Resume: ``state_dict()`` taken mid-epoch, its pickled size, and the time from
    ``load_state_dict()`` to the first batch, against the time a fresh epoch takes
    to its first batch (both re-read what they need; a resumed epoch re-reads the
-   resident examples, up to ``shuffle_buffer``).
+   resident examples, up to ``shuffle_buffer``), for example echoing, and for
+   echoing before an ``augment`` that draws from its ``rng`` (whose pending rows,
+   up to its output buffer and the rows being augmented, are augmented again).
 
 Usage:
     python bench/bench_determinism.py [--quick] [--json PATH]
@@ -17,6 +19,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pickle
@@ -44,10 +47,16 @@ class Records:
         return {"x": self.pool[i % 16], "id": i}
 
 
-def loader(nbytes: int, deterministic: bool, worker_type: str, n: int) -> dataecho.EchoLoader:
+def flip(example: dict, rng: np.random.Generator) -> dict:
+    """A cheap augmentation drawing from the generator it is given."""
+    x = example["x"]
+    return {"x": x[::-1].copy() if rng.random() < 0.5 else x, "id": example["id"]}
+
+
+def loader(nbytes: int, deterministic: bool, worker_type: str, n: int, augment=None) -> dataecho.EchoLoader:
     return dataecho.EchoLoader(
         Records(n, nbytes), batch_size=256, echo_factor=2, shuffle_buffer=4096, workers=2, seed=0,
-        deterministic=deterministic, worker_type=worker_type,
+        deterministic=deterministic, worker_type=worker_type, augment=augment,
     )
 
 
@@ -73,6 +82,25 @@ def first_batch_s(make, state=None) -> float:
     return elapsed
 
 
+def resume_costs(make, rounds: int) -> dict:
+    """The state mid-epoch: its size and what it names; first-batch times, fresh and resumed."""
+    source = make()
+    epoch = iter(source)
+    for _ in range(len(source) // 2):
+        next(epoch)
+    state = source.state_dict()
+    source.close()
+    stages = state["stages"]
+    augment = stages.get("augment")
+    return {
+        "state_bytes": len(pickle.dumps(state)),
+        "resident": len(stages["intake"]["positions"]),
+        "pending": len(augment["pending"]["rows"]) if augment else 0,
+        "fresh_first_batch_s": statistics.median(first_batch_s(make) for _ in range(rounds)),
+        "resumed_first_batch_s": statistics.median(first_batch_s(make, state) for _ in range(rounds)),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer examples and rounds")
@@ -95,24 +123,13 @@ def main() -> None:
             results["throughput"][name] = {"default": base, "deterministic": det, "ratio": det / base}
             print(f"{name:<28}{base:>12,.0f}{det:>12,.0f}{det / base:>8.2f}")
 
-    def make():
-        return loader(12 << 10, True, "thread", n)
-
-    source = make()
-    epoch = iter(source)
-    for _ in range(len(source) // 2):  # mid-epoch
-        next(epoch)
-    state = source.state_dict()
-    source.close()
-    size = len(pickle.dumps(state))
-    fresh = statistics.median(first_batch_s(make) for _ in range(rounds))
-    resumed = statistics.median(first_batch_s(make, state) for _ in range(rounds))
-    resident = len(state["position"]["positions"])
-    results["resume"] = {"state_bytes": size, "resident": resident, "fresh_first_batch_s": fresh,
-                         "resumed_first_batch_s": resumed}
-    print(f"# resume mid-epoch (12 KiB, shuffle_buffer 4096): state {size:,} bytes for {resident} resident "
-          f"examples; first batch after load {resumed * 1e3:.0f} ms vs a fresh epoch's {fresh * 1e3:.0f} ms "
-          f"({resumed / fresh:.2f}x)")
+    for name, augment in (("example echo", None), ("augment with rng", flip)):
+        results["resume"][name] = resume_costs(functools.partial(loader, 12 << 10, True, "thread", n, augment), rounds)
+        r = results["resume"][name]
+        print(f"# resume mid-epoch, {name} (12 KiB, shuffle_buffer 4096): state {r['state_bytes']:,} bytes for "
+              f"{r['resident']} resident examples and {r['pending']} pending augmented rows; first batch after "
+              f"load {r['resumed_first_batch_s'] * 1e3:.0f} ms vs a fresh epoch's "
+              f"{r['fresh_first_batch_s'] * 1e3:.0f} ms ({r['resumed_first_batch_s'] / r['fresh_first_batch_s']:.2f}x)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

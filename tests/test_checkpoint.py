@@ -99,16 +99,20 @@ def test_resume_after_any_batch_yields_the_rest_exactly(kwargs):
 
 
 def test_resume_twice_in_one_epoch():
-    # A state taken from a resumed loader names the batches it has not replayed yet.
+    # A state taken from a resumed loader names the batches it has not replayed
+    # yet, and the rows it has not augmented again yet; also one taken at once,
+    # while the resumed stages are still reading back what they hold.
     kwargs = {"augment": noisy, "echo_at": "batch", "echo_factor": 2, "shuffle_buffer": 3}
     reference = run(make(**kwargs), 1)
     first, state = take_then_save(make(**kwargs), 3)
     loader = make(**kwargs)
     loader.load_state_dict(state)
     epoch = iter(loader)
+    at_once = pickle.loads(pickle.dumps(loader.state_dict()))
     second = [rows(next(epoch))]
     state = pickle.loads(pickle.dumps(loader.state_dict()))
     loader.close()
+    assert first + resume(at_once, 1, **kwargs) == reference
     assert first + second + resume(state, 1, **kwargs) == reference
 
 

@@ -95,6 +95,8 @@ def test_unpicklable_source_or_transform_fails_at_construction():
         dataecho.EchoLoader(range(10), worker_type="process", start_method="fork")
     with pytest.raises(ValueError, match="worker_type"):
         dataecho.EchoLoader(range(10), worker_type="greenlet")
+    with pytest.raises(ValueError, match="workers: expected at most 256 worker processes"):
+        dataecho.EchoLoader(range(10), workers=257, worker_type="process")
 
 
 def test_worker_exception_is_raised_with_the_workers_traceback(seed):

@@ -234,11 +234,16 @@ class AugmentStage:
     def _take(self) -> _Task:
         """The next rows to augment: carried over from a checkpoint first, then
         the upstream's next batch (StopIteration at its end)."""
+        # Not under the pull lock: the carried rows are in the state either way
+        # (pending until handed downstream), and the output buffer's restore
+        # waits for them, so a state asked for right after a resume must not
+        # hold them back.
+        with self._setup:
+            chunk = [self._carried.popleft() for _ in range(min(self._chunk, len(self._carried)))]
+        if chunk:
+            deliveries, rows = zip(*chunk)
+            return _Task(None, np.array(rows, dtype=np.uint64), np.array(deliveries, dtype=np.uint64))
         with self._pull_lock:
-            if self._carried:
-                chunk = [self._carried.popleft() for _ in range(min(self._chunk, len(self._carried)))]
-                deliveries, rows = zip(*chunk)
-                return _Task(None, np.array(rows, dtype=np.uint64), np.array(deliveries, dtype=np.uint64))
             batch = self._upstream.next(None)
             first = self._taken
             self._taken += len(batch)

@@ -8,6 +8,7 @@ module (``_core.MAX_ECHO``, ``_core.MAX_CAPACITY``).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import multiprocessing
 from collections.abc import Iterable
@@ -221,6 +222,8 @@ def _check_processes(config: LoaderConfig) -> LoaderConfig:
         )
     elif method not in multiprocessing.get_all_start_methods():
         raise ValueError(f"start_method: expected one of {multiprocessing.get_all_start_methods()}, got {method!r}")
+    if config.workers > _core.MAX_WORKERS:
+        raise ValueError(f"workers: expected at most {_core.MAX_WORKERS} worker processes, got {config.workers}")
     check_picklable("source", config.source)
     check_picklable("transform", config.transform)
     if config.deterministic and not config.map_style:
@@ -228,10 +231,4 @@ def _check_processes(config: LoaderConfig) -> LoaderConfig:
             "deterministic: worker processes each read their own shard of an iterable, which "
             "have no common order; use a map-style source, or worker_type='thread'"
         )
-    return _replace(config, start_method=method)
-
-
-def _replace(config: LoaderConfig, **changes: Any) -> LoaderConfig:
-    import dataclasses
-
-    return dataclasses.replace(config, **changes)
+    return dataclasses.replace(config, start_method=method)

@@ -99,8 +99,10 @@ class PngDigits:
 class Augment:
     """Random shifts (pad 2, random 28 x 28 crop) and pixel noise; to float in [0, 1].
 
-    Each thread draws from its own generator, seeded from `seed` and a counter,
-    so calls from several worker threads do not contend for one lock.
+    As ``augment``, EchoLoader hands it a generator per delivery (``rng``), so
+    its draws depend on the seed alone. As ``transform`` (no ``rng``), each
+    thread draws from its own generator, seeded from `seed` and a counter, so
+    calls from several worker threads do not contend for one lock.
     """
 
     def __init__(self, seed: int, shift: int = 2, noise: float = 0.1) -> None:
@@ -117,8 +119,8 @@ class Augment:
                 rng = self._local.rng = np.random.default_rng([self.seed, self._count])
         return rng
 
-    def __call__(self, example: dict) -> dict:
-        rng = self._rng()
+    def __call__(self, example: dict, rng: np.random.Generator | None = None) -> dict:
+        rng = rng if rng is not None else self._rng()
         s = self.shift
         padded = np.pad(example["image"], s)
         dy, dx = rng.integers(0, 2 * s + 1, size=2)
