@@ -199,7 +199,7 @@ def dict_phase(duration):
     assert recycled > 100, f"only {recycled} batches came from recycled blocks"
     return (f"dict buffer: {batches} batches, {len(produced)} ids x{ECHO}, {recycled} recycled blocks "
             f"poisoned where unwritten, up to {kept.most} views kept, {kept.checks} checks of them, "
-            f"{buf.stats()["batch_blocks"]} blocks allocated")
+            f"{buf.stats()['batch_blocks']} blocks allocated")
 
 
 def single_phase(duration):
