@@ -98,13 +98,16 @@ def test_resume_after_any_batch_yields_the_rest_exactly(kwargs):
         assert taken + resume(state, **kwargs) == reference, f"resumed after batch {cut}"
 
 
-def test_resume_twice_in_one_epoch():
+@pytest.mark.parametrize("cut", [3, 60])
+def test_resume_twice_in_one_epoch(cut):
     # A state taken from a resumed loader names the batches it has not replayed
     # yet, and the rows it has not augmented again yet; also one taken at once,
-    # while the resumed stages are still reading back what they hold.
+    # while the resumed stages are still reading back what they hold (and, near
+    # the end, after the intake has finished).
     kwargs = {"augment": noisy, "echo_at": "batch", "echo_factor": 2, "shuffle_buffer": 3}
     reference = run(make(**kwargs), 1)
-    first, state = take_then_save(make(**kwargs), 3)
+    assert cut < len(reference) - 1
+    first, state = take_then_save(make(**kwargs), cut)
     loader = make(**kwargs)
     loader.load_state_dict(state)
     epoch = iter(loader)

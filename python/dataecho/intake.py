@@ -140,8 +140,11 @@ class IntakeStage:
             return None
         if not self._config.map_style:
             return {"skip": self._skipped + self.counters()["fresh"]}
-        if self._buffer is None:
-            return {"ended": True, "queued": []}
+        if self._buffer is None:  # resumed after the end: nothing resident, every position read
+            empty = np.zeros(0, dtype=np.uint64)
+            return {"batches": 0, "rng_state": 0, "next_seq": len(self._source), "available": 0,
+                    "positions": empty, "indices": empty.astype(np.int64), "echoes": empty.astype(np.uint32),
+                    "queued": [], "ended": True}
         snap = self._buffer.snapshot()
         state = {key: int(getattr(snap, key)) for key in _SNAPSHOT_KEYS}
         positions = snap.seqs
