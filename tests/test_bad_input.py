@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support import native_core
 
 import dataecho
 
@@ -167,7 +168,7 @@ def test_read_only_and_byte_swapped_inputs_are_accepted():
 
 
 def test_private_module_misuse_raises_instead_of_crashing():
-    core = make()._core
+    core = native_core(make())
     with pytest.raises(TypeError):
         core.put((np.zeros((2, 3), np.uint8), np.zeros((), np.int64)), None)  # tuple, not list
     with pytest.raises(ValueError):

@@ -8,30 +8,18 @@ import pickle
 
 import numpy as np
 import pytest
-import workloads
+from support import Records
 
 import dataecho
 
 N = 1000
 
 
-class Counting(workloads.Indexed):
-    """Counts its reads (in this process)."""
-
-    def __init__(self, n):
-        super().__init__(n)
-        self.reads = 0
-
-    def __getitem__(self, i):
-        self.reads += 1
-        return super().__getitem__(i)
-
-
 def make(source=None, **kwargs):
     args = {"batch_size": 32, "echo_factor": 1.5, "shuffle_buffer": 256, "workers": 3, "seed": 7,
             "deterministic": True}
     args.update(kwargs)
-    return dataecho.EchoLoader(source if source is not None else workloads.Indexed(N), **args)
+    return dataecho.EchoLoader(source if source is not None else Records(N), **args)
 
 
 def run(loader, epochs=2):
@@ -99,7 +87,7 @@ def test_the_state_is_small_and_names_every_resident_example():
 
 
 def test_resume_reads_only_resident_and_later_examples():
-    source = Counting(N)
+    source = Records(N, count_reads=True)
     taken, state = take_then_save(make(), 20)
     loader = make(source)
     loader.load_state_dict(state)
@@ -107,7 +95,7 @@ def test_resume_reads_only_resident_and_later_examples():
     position = state["position"]
     queued_rows = sum(len(q) for q in position["queued"])
     # Every example left to read, the resident ones, the queued rows, and one to learn the structure.
-    assert source.reads == (N - position["next_seq"]) + len(position["positions"]) + queued_rows + 1
+    assert sum(source.reads.values()) == (N - position["next_seq"]) + len(position["positions"]) + queued_rows + 1
     assert taken + rest == run(make(), 1)
 
 
@@ -158,7 +146,7 @@ def test_bad_states_and_unsupported_loaders_are_refused():
     with pytest.raises(ValueError, match="seed"):
         make(seed=8).load_state_dict(state)
     with pytest.raises(ValueError, match="length"):
-        make(workloads.Indexed(N + 1)).load_state_dict(state)
+        make(Records(N + 1)).load_state_dict(state)
     with pytest.raises(ValueError, match="format"):
         make().load_state_dict({**state, "format": "other"})
     broken = {**state, "position": {**state["position"], "indices": state["position"]["indices"][::-1].copy()}}
