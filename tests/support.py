@@ -396,14 +396,18 @@ def join_producers(tasks: list[Task], timeout_s: float = 30.0) -> None:
 
 # ---- child interpreters ----
 
+# A suite started as a background job inherits SIGINT ignored, and so do its
+# children: a child that expects Ctrl-C must install Python's handler itself.
 CHILD_PRELUDE = f"""\
-import sys
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {str(TESTS)!r})
 """
 
 
 def child_script(code: str) -> str:
-    """`code` (dedented) after CHILD_PRELUDE: the child can import this module."""
+    """`code` (dedented) after CHILD_PRELUDE: Ctrl-C raises KeyboardInterrupt in
+    the child, and the child can import this module."""
     return CHILD_PRELUDE + textwrap.dedent(code)
 
 

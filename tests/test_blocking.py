@@ -176,6 +176,8 @@ CTRL_C_NEXT = """
 
 @pytest.mark.parametrize("script", [CTRL_C_PUT, CTRL_C_NEXT], ids=["put", "next"])
 def test_ctrl_c_interrupts_a_blocked_call(script):
+    # child_script: the child installs Python's SIGINT handler itself, whatever
+    # this process left it (ignored, in a suite started in the background).
     with subprocess.Popen(
         [sys.executable, "-u", "-c", child_script(script)],
         stdout=subprocess.PIPE,

@@ -139,6 +139,8 @@ def test_leaving_early_stops_the_workers(seed):
 
 
 def test_ctrl_c_in_the_parent_stops_the_workers():
+    # child_script: the child installs Python's SIGINT handler itself, whatever
+    # this process left it (ignored, in a suite started in the background).
     script = child_script(
         """
         import os
