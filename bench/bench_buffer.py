@@ -47,8 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import queue
 import random
 import sys
@@ -58,6 +56,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+import common
 import dataecho
 
 SOURCE_BYTES = 64 << 20  # largest pre-generated source array
@@ -333,23 +332,6 @@ def median_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda r: r["ex_s"])[len(runs) // 2]
 
 
-def machine() -> dict:
-    """Returns the CPU model, core count and library versions."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "dataecho": dataecho.__version__,
-    }
-
-
 def targets(rows: list[dict]) -> list[dict]:
     """Checks the results against the performance targets.
 
@@ -368,7 +350,10 @@ def targets(rows: list[dict]) -> list[dict]:
         ("dataecho >= 20 x hand-written baseline at 64 B", worst("64 B", "vs_baseline"), 20.0, "{:.1f}x"),
     ]
     return [
-        {"target": name, "value": value, "threshold": threshold, "shown": fmt.format(value), "met": value >= threshold}
+        {
+            "target": name, "value": value, "threshold": threshold,
+            "shown": f"{fmt.format(value)} (worst over echo factors)", "met": value >= threshold,
+        }
         for name, value, threshold, fmt in checks
         if not math.isnan(value)
     ]
@@ -376,17 +361,14 @@ def targets(rows: list[dict]) -> list[dict]:
 
 def print_report(info: dict, rows: list[dict], checks: list[dict], seconds: float, repeat: int) -> None:
     """Prints the machine, the results table and the targets."""
-    print(
-        f"machine: {info['cpu']}, {info['cpu_count']} CPUs; Python {info['python']}, "
-        f"NumPy {info['numpy']}, dataecho {info['dataecho']}"
-    )
+    common.print_header(info, "delivered examples/s, bytes/s and their ratios: higher is better; GB = 1e9 bytes")
     print(
         f"workload: put_many from a producer thread, shuffled batches iterated by the main thread; "
         f"~{seconds:g} s per contestant, median of {repeat} interleaved rounds"
     )
     for case in CASES:
         print(f"  {case.label}: capacity {case.capacity}, batch {case.batch_size}, put_many chunks of {case.chunk}")
-    print("higher is better; GB = 1e9 bytes\n")
+    print()
     header = (
         "size", "echo", "dataecho ex/s", "dataecho GB/s", "gather-limit GB/s", "dataecho/gather",
         "two-copy GB/s", "dataecho/two-copy", "baseline ex/s", "dataecho/baseline",
@@ -401,13 +383,9 @@ def print_report(info: dict, rows: list[dict], checks: list[dict], seconds: floa
         )
         for r in rows
     ]
-    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(header)]
-    print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
-    for t in table:
-        print("  ".join(c.rjust(w) for c, w in zip(t, widths)))
-    print("\ntargets:")
-    for c in checks:
-        print(f"  [{'met' if c['met'] else 'NOT met'}] {c['target']}: {c['shown']} (worst over echo factors)")
+    common.print_table(header, table, left=())
+    print()
+    common.print_targets(checks)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -462,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
             })
         del src
 
-    info = machine()
+    info = common.machine()
     checks = targets(rows)
     print_report(info, rows, checks, seconds, repeat)
     if args.json:

@@ -21,30 +21,14 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import pickle
-import platform
 import statistics
-import sys
 import time
 
+import common
 import numpy as np
 
 import dataecho
-
-
-class Records:
-    """Map-style dataset of `nbytes` examples (rows of a small pool) and an id."""
-
-    def __init__(self, n: int, nbytes: int) -> None:
-        self.n = n
-        self.pool = np.random.default_rng(0).integers(0, 256, (16, nbytes), dtype=np.uint8)
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict:
-        return {"x": self.pool[i % 16], "id": i}
 
 
 def flip(example: dict, rng: np.random.Generator) -> dict:
@@ -55,7 +39,7 @@ def flip(example: dict, rng: np.random.Generator) -> dict:
 
 def loader(nbytes: int, deterministic: bool, worker_type: str, n: int, augment=None) -> dataecho.EchoLoader:
     return dataecho.EchoLoader(
-        Records(n, nbytes), batch_size=256, echo_factor=2, shuffle_buffer=4096, workers=2, seed=0,
+        common.Records(n, nbytes), batch_size=256, echo_factor=2, shuffle_buffer=4096, workers=2, seed=0,
         deterministic=deterministic, worker_type=worker_type, augment=augment,
     )
 
@@ -107,11 +91,13 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     n, rounds = (20_000, 1) if args.quick else (100_000, 3)
-    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {sys.version.split()[0]}, "
-          f"dataecho {dataecho.__version__}")
-    print("# throughput: delivered examples/s, median of interleaved rounds; ratio = deterministic / default")
-    print(f"{'workload':<28}{'default':>12}{'determ.':>12}{'ratio':>8}")
+    common.print_header(
+        common.machine(),
+        "throughput: delivered examples/s, median of interleaved rounds; ratio = deterministic / default; "
+        "higher is better (a ratio of 1.0: determinism is free)\n",
+    )
     results: dict = {"throughput": {}, "resume": {}}
+    table = []
     for worker_type in ("thread", "process"):
         for nbytes in (64, 12 << 10):
             samples: dict[bool, list[float]] = {False: [], True: []}
@@ -121,15 +107,18 @@ def main() -> None:
             base, det = (statistics.median(samples[d]) for d in (False, True))
             name = f"{worker_type}, {nbytes} B"
             results["throughput"][name] = {"default": base, "deterministic": det, "ratio": det / base}
-            print(f"{name:<28}{base:>12,.0f}{det:>12,.0f}{det / base:>8.2f}")
+            table.append((name, f"{base:,.0f}", f"{det:,.0f}", f"{det / base:.2f}"))
+    common.print_table(("workload", "default", "deterministic", "ratio"), table)
 
+    print()
     for name, augment in (("example echo", None), ("augment with rng", flip)):
-        results["resume"][name] = resume_costs(functools.partial(loader, 12 << 10, True, "thread", n, augment), rounds)
-        r = results["resume"][name]
-        print(f"# resume mid-epoch, {name} (12 KiB, shuffle_buffer 4096): state {r['state_bytes']:,} bytes for "
+        results["resume"][name] = r = resume_costs(functools.partial(loader, 12 << 10, True, "thread", n, augment),
+                                                   rounds)
+        print(f"resume mid-epoch, {name} (12 KiB, shuffle_buffer 4096): state {r['state_bytes']:,} bytes for "
               f"{r['resident']} resident examples and {r['pending']} pending augmented rows; first batch after "
               f"load {r['resumed_first_batch_s'] * 1e3:.0f} ms vs a fresh epoch's "
-              f"{r['fresh_first_batch_s'] * 1e3:.0f} ms ({r['resumed_first_batch_s'] / r['fresh_first_batch_s']:.2f}x)")
+              f"{r['fresh_first_batch_s'] * 1e3:.0f} ms "
+              f"({r['resumed_first_batch_s'] / r['fresh_first_batch_s']:.2f}x; lower is better)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -26,31 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 
-import numpy as np
-
+import common
 import dataecho
-
-
-class Records:
-    """Map-style dataset: example i is a row of a small pool plus a label."""
-
-    def __init__(self, n: int, nbytes: int, spin: int) -> None:
-        self.n, self.spin = n, spin
-        self.pool = np.random.default_rng(0).integers(0, 256, (16, nbytes), dtype=np.uint8)
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict:
-        acc = 0
-        for k in range(self.spin):  # the pure-Python part of decoding
-            acc += k * k
-        return {"x": self.pool[i % 16], "y": acc % 7 + i}
 
 
 def measure(batches, warmup: int, count: int) -> float:
@@ -61,11 +41,11 @@ def measure(batches, warmup: int, count: int) -> float:
     start, examples = time.perf_counter(), 0
     for _ in range(count):
         batch = next(it)
-        examples += len(batch["y"])
+        examples += len(batch["id"])
     return examples / (time.perf_counter() - start)
 
 
-def run_dataecho(ds: Records, worker_type: str, echo: float, batch: int, warmup: int, count: int) -> float:
+def run_dataecho(ds: common.Records, worker_type: str, echo: float, batch: int, warmup: int, count: int) -> float:
     loader = dataecho.EchoLoader(
         ds, batch_size=batch, echo_factor=echo, workers=2, worker_type=worker_type, shuffle_buffer=2048, seed=0
     )
@@ -75,7 +55,7 @@ def run_dataecho(ds: Records, worker_type: str, echo: float, batch: int, warmup:
         loader.close()
 
 
-def run_dataloader(ds: Records, batch: int, warmup: int, count: int) -> float:
+def run_dataloader(ds: common.Records, batch: int, warmup: int, count: int) -> float:
     import torch.utils.data
 
     loader = torch.utils.data.DataLoader(
@@ -110,8 +90,8 @@ def run_workloads(count: int, warmup: int) -> list[dict]:
         One dict per workload: ``workload`` and ``rates`` (contestant -> examples/s).
     """
     workloads = {
-        "CPU-bound Python transform, 12 KiB": Records((warmup + count) * BATCH * 2, 12 * 1024, spin=4000),
-        "cheap transform, 150 KiB": Records((warmup + count) * BATCH * 2, 150 * 1024, spin=0),
+        "CPU-bound Python transform, 12 KiB": common.Records((warmup + count) * BATCH * 2, 12 * 1024, spin=4000),
+        "cheap transform, 150 KiB": common.Records((warmup + count) * BATCH * 2, 150 * 1024, spin=0),
     }
     have_torch = torch_version() is not None
     rows = []
@@ -133,13 +113,13 @@ def run_workloads(count: int, warmup: int) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     """Prints the rows of ``run_workloads``: rate and ratio to DataLoader per contestant."""
-    width = max(len(label) for row in rows for label in row["rates"])
+    header = ("workload", "contestant", "ex/s", "/ DataLoader")
+    table = []
     for row in rows:
-        print(row["workload"])
         base = row["rates"].get(DATALOADER)
         for label, rate in row["rates"].items():
-            ratio = f"  {rate / base:5.2f}x DataLoader" if base else ""
-            print(f"  {label:<{width}}  {rate:>10,.0f} ex/s{ratio}")
+            table.append((row["workload"], label, f"{rate:,.0f}", f"{rate / base:.2f}x" if base else ""))
+    common.print_table(header, table, left=(0, 1))
 
 
 def targets(rows: list[dict]) -> list[dict]:
@@ -170,31 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     count = 60 if args.quick else 200
-    print(
-        f"machine: {_cpu()}, {os.cpu_count()} CPUs; Python {platform.python_version()}, NumPy {np.__version__}, "
-        f"torch {torch_version() or 'not installed'}, dataecho {dataecho.__version__}"
-    )
-    print(f"batch {BATCH}, 2 workers, {count} timed batches after {args.warmup}; delivered examples/s, higher is better\n")
+    info = common.machine(torch=torch_version())
+    common.print_header(info, "delivered examples/s and their ratios: higher is better")
+    print(f"batch {BATCH}, 2 workers, {count} timed batches after {args.warmup}\n")
     rows = run_workloads(count, args.warmup)
     print_table(rows)
-    print("\ntargets:")
-    for c in targets(rows):
-        if c["met"] is None:
-            print(f"  [skipped] {c['target']}: {c['shown']}")
-        else:
-            print(f"  [{'met' if c['met'] else 'NOT met'}] {c['target']}: {c['shown']}")
+    print()
+    common.print_targets(targets(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
     return 0
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ import numpy as np
 import bench_buffer
 import bench_echo
 import bench_workers
-import dataecho
+import common
 from bench_buffer import CASES, ECHOES, Case, SteadyRate, make_source, median_run
 
 try:  # torch is optional: without it the torch contestants are skipped with a note
@@ -316,7 +316,7 @@ def print_throughput(rows: list[dict], notes: list[str], seconds: float, repeat:
         )
         for r in rows
     ]
-    _print_table(header, table, left=(0, 2))
+    common.print_table(header, table, left=(0, 2))
     for note in notes:
         print(f"    note: {note}")
 
@@ -364,25 +364,6 @@ def _check(target: str, value: float | None, threshold: float, fmt: str, why_ski
     return {"target": target, "value": value, "threshold": threshold, "shown": shown, "met": met}
 
 
-def _print_table(header: tuple[str, ...], table: list[tuple[str, ...]], left: tuple[int, ...]) -> None:
-    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(header)]
-
-    def line(cells: tuple[str, ...]) -> str:
-        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    print(line(header))
-    for t in table:
-        print(line(t))
-
-
-def machine(available: dict[str, tuple[str | None, str | None]]) -> dict:
-    """CPU model, cores, and the version of every library in the comparison."""
-    info = bench_buffer.machine()
-    for name, (version, _) in available.items():
-        info[name] = version or "not available"
-    return info
-
-
 def main(argv: list[str] | None = None) -> int:
     """Runs the chosen sections, prints one table per section, then the targets."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -400,13 +381,8 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # tensorflow's start-up log lines
     available = {name: _try_import(name) for name in ("torch", "torchdata", "tensorflow")}
-    info = machine(available)
-    print(
-        f"machine: {info['cpu']}, {info['cpu_count']} CPUs; Python {info['python']}, NumPy {info['numpy']}, "
-        f"dataecho {info['dataecho']}, torch {info['torch']}, torchdata {info['torchdata']}, "
-        f"tensorflow {info['tensorflow']}"
-    )
-    print(f"{'quick' if args.quick else 'full'} run; higher is better in every table\n")
+    info = common.machine(**{name: version for name, (version, _) in available.items()})
+    common.print_header(info, f"{'quick' if args.quick else 'full'} run; higher is better in every table\n")
     report: dict[str, Any] = {"machine": info, "quick": args.quick}
     checks: list[dict] = []
 
@@ -436,10 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         report["c"] = {"count": count, "warmup": warmup, "rows": rows}
         print()
 
-    print("targets:")
-    for c in checks:
-        mark = "skipped" if c["met"] is None else "met" if c["met"] else "NOT met"
-        print(f"  [{mark}] ({c['section']}) {c['target']}: {c['shown']}")
+    common.print_targets(checks)
     report["targets"] = checks
     if args.json:
         with open(args.json, "w") as f:

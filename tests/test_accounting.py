@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import counts, drain_ids, id_buffer, join_all, start_producers
+from support import counts, drain_ids, free_slots, id_buffer, join_producers, start_producers
 
 import dataecho
 
@@ -19,7 +19,7 @@ def test_integer_echo_delivers_each_example_exactly_e_times(echo, capacity, batc
     buf = id_buffer(capacity=capacity, batch_size=batch_size, echo_factor=echo, seed=seed)
     threads = start_producers(buf, [np.array_split(np.arange(n), 50)])
     batches = drain_ids(buf)
-    join_all(threads)
+    join_producers(threads)
 
     seen = counts(batches)
     assert sorted(seen) == list(range(n)), "an example was lost or invented"
@@ -33,7 +33,7 @@ def test_integer_echo_delivers_each_example_exactly_e_times(echo, capacity, batc
     assert stats["batches"] == len(batches)
     assert stats["resident"] == 0 and stats["dropped"] == 0
     assert stats["echo_factor_achieved"] == echo
-    assert buf.stats()["free_slots"] == capacity, "a slot was not returned"
+    assert free_slots(buf) == capacity, "a slot was not returned"
 
 
 def test_fractional_echo_mean_within_one_percent(seed):
@@ -41,7 +41,7 @@ def test_fractional_echo_mean_within_one_percent(seed):
     buf = id_buffer(capacity=4096, batch_size=256, echo_factor=1.5, seed=seed)
     threads = start_producers(buf, [np.array_split(np.arange(n), 100)])
     batches = drain_ids(buf, check_payload=False)
-    join_all(threads)
+    join_producers(threads)
 
     seen = counts(batches)
     assert sorted(seen) == list(range(n))
@@ -75,13 +75,13 @@ def test_drop_last_drops_only_the_short_tail(seed):
     buf = id_buffer(capacity=256, batch_size=batch_size, echo_factor=2, seed=seed, drop_last=True)
     threads = start_producers(buf, [np.array_split(np.arange(n), 10)])
     batches = drain_ids(buf)
-    join_all(threads)
+    join_producers(threads)
     assert all(len(b) == batch_size for b in batches)
     stats = buf.stats()
     assert stats["delivered"] == len(batches) * batch_size
     assert stats["delivered"] + stats["dropped"] == 2 * n
     assert stats["dropped"] == (2 * n) % batch_size
-    assert buf.stats()["free_slots"] == 256
+    assert free_slots(buf) == 256
 
 
 def test_closed_empty_buffer_ends_iteration_at_once():

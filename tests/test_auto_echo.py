@@ -6,7 +6,7 @@ import threading
 import time
 
 import numpy as np
-from conftest import counts, drain_ids, examples, id_buffer, join_all, start_producers
+from support import counts, drain_ids, free_slots, id_buffer, join_producers, one, start_producers
 
 
 def test_fast_upstream_keeps_the_achieved_factor_near_one(seed):
@@ -17,7 +17,7 @@ def test_fast_upstream_keeps_the_achieved_factor_near_one(seed):
     for batch in buf:
         batches.append(batch["id"].copy())
         time.sleep(0.0005)  # a training step: the consumer is the slower side
-    join_all(threads)
+    join_producers(threads)
     seen = counts(batches)
     assert sorted(seen) == list(range(n)), "every fresh example is delivered"
     stats = buf.stats()
@@ -30,7 +30,7 @@ def test_slow_upstream_raises_the_factor_toward_max_echo(seed):
 
     def produce():
         for i in range(n):
-            buf.put({"id": i, "payload": examples(np.array([i]))["payload"][0]})
+            buf.put(one(i))
             time.sleep(0.002)  # a slow read: 500 examples/s
         buf.close()
 
@@ -43,7 +43,7 @@ def test_slow_upstream_raises_the_factor_toward_max_echo(seed):
     assert max(seen.values()) <= max_echo
     stats = buf.stats()
     assert stats["echo_factor_achieved"] > 0.75 * max_echo, stats
-    assert buf.stats()["free_slots"] == 256
+    assert free_slots(buf) == 256
 
 
 def test_auto_never_repeats_within_a_batch_while_enough_are_resident(seed):
@@ -56,6 +56,6 @@ def test_auto_never_repeats_within_a_batch_while_enough_are_resident(seed):
     for batch in buf:
         batches.append(batch["id"].copy())
         time.sleep(0.0002)
-    join_all(threads)
+    join_producers(threads)
     assert all(len(np.unique(b)) == len(b) for b in batches)
     assert max(counts(batches).values()) <= 2

@@ -170,7 +170,7 @@ def test_private_module_misuse_raises_instead_of_crashing():
     from dataecho import _core
 
     config = _core.BufferConfig()
-    config.capacity, config.batch_size = 8, 4
+    config.capacity, config.batch_size = 16, 4
     core = _core.Buffer([((2, 3), np.dtype(np.uint8)), ((), np.dtype(np.int64))], config)
     with pytest.raises(TypeError):
         core.put((np.zeros((2, 3), np.uint8), np.zeros((), np.int64)), None)  # tuple, not list

@@ -3,26 +3,17 @@ every wait ends, promptly, with a clear outcome."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 
 import numpy as np
 import pytest
-from conftest import examples, id_buffer, run_python
+from support import child_script, examples, free_slots, id_buffer, one, run_python
 
 import dataecho
-
-
-
-
-def one(i):
-    ex = examples(np.array([i]))
-    return {"id": ex["id"][0], "payload": ex["payload"][0]}
 
 
 def full_buffer(capacity=8, batch_size=4):
@@ -75,7 +66,7 @@ def test_close_releases_blocked_producers_promptly():
     assert released < 0.5
     # Everything accepted before close is still delivered.
     assert buf.stats()["fresh"] == sum(len(b["id"]) for b in buf)
-    assert buf.stats()["free_slots"] == 8
+    assert free_slots(buf) == 8
 
 
 def test_close_releases_a_waiting_consumer_promptly():
@@ -155,6 +146,7 @@ def test_a_second_concurrent_consumer_gets_a_clear_error():
 
 CTRL_C_PUT = """
     import sys, time, numpy as np, dataecho
+    from support import free_slots
     buf = dataecho.ShuffleBuffer(((8,), "uint8"), capacity=4, batch_size=2, prefetch=1)
     ok = 0
     try:
@@ -168,7 +160,7 @@ CTRL_C_PUT = """
     # No slot leaked: everything accepted is delivered and all slots come back.
     buf.close()
     delivered = sum(len(b) for b in buf)
-    print("delivered", delivered, "free", buf.stats()["free_slots"], flush=True)
+    print("delivered", delivered, "free", free_slots(buf), flush=True)
 """
 
 CTRL_C_NEXT = """
@@ -184,8 +176,10 @@ CTRL_C_NEXT = """
 
 @pytest.mark.parametrize("script", [CTRL_C_PUT, CTRL_C_NEXT], ids=["put", "next"])
 def test_ctrl_c_interrupts_a_blocked_call(script):
+    # child_script: the child installs Python's SIGINT handler itself, whatever
+    # this process left it (ignored, in a suite started in the background).
     with subprocess.Popen(
-        [sys.executable, "-u", "-c", textwrap.dedent(script)],
+        [sys.executable, "-u", "-c", child_script(script)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

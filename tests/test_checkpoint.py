@@ -10,28 +10,16 @@ import pickle
 
 import numpy as np
 import pytest
-import workloads
+from support import Records
 
 import dataecho
 
 N = 1000
 
 
-class Counting(workloads.Indexed):
-    """Counts its reads (in this process)."""
-
-    def __init__(self, n):
-        super().__init__(n)
-        self.reads = 0
-
-    def __getitem__(self, i):
-        self.reads += 1
-        return super().__getitem__(i)
-
-
 def noisy(example, rng):
     """An augmentation whose randomness comes from the generator it is given."""
-    return {"id": example["id"], "x": example["x"][:4], "noise": rng.integers(0, 1 << 30)}
+    return {"id": example["id"], "head": example["payload"][:4], "noise": rng.integers(0, 1 << 30)}
 
 
 def own_noise(example):
@@ -42,7 +30,7 @@ def make(source=None, **kwargs):
     args = {"batch_size": 32, "echo_factor": 1.5, "shuffle_buffer": 256, "workers": 3, "seed": 7,
             "deterministic": True}
     args.update(kwargs)
-    return dataecho.EchoLoader(source if source is not None else workloads.Indexed(N), **args)
+    return dataecho.EchoLoader(source if source is not None else Records(N), **args)
 
 
 def rows(batch):
@@ -169,7 +157,7 @@ def test_the_state_with_augment_and_batch_echo_stays_small():
 
 
 def test_resume_reads_only_resident_and_later_examples():
-    source = Counting(N)
+    source = Records(N, count_reads=True)
     taken, state = take_then_save(make(), 20)
     loader = make(source)
     loader.load_state_dict(state)
@@ -179,7 +167,7 @@ def test_resume_reads_only_resident_and_later_examples():
     queued_rows = sum(len(q["rows"]) for name in ("intake", "intake_replay", "final_replay")
                       for q in stages[name]["queued"])
     # Every example left to read, the resident ones, the queued rows, and one to learn the structure.
-    assert source.reads == (N - intake["next_seq"]) + len(intake["positions"]) + queued_rows + 1
+    assert sum(source.reads.values()) == (N - intake["next_seq"]) + len(intake["positions"]) + queued_rows + 1
     assert taken + rest == run(make(), 1)
 
 
@@ -230,7 +218,7 @@ def test_bad_states_are_refused():
     with pytest.raises(ValueError, match="seed"):
         make(seed=8).load_state_dict(state)
     with pytest.raises(ValueError, match="length"):
-        make(workloads.Indexed(N + 1)).load_state_dict(state)
+        make(Records(N + 1)).load_state_dict(state)
     with pytest.raises(ValueError, match="format"):
         make().load_state_dict({**state, "format": "other"})
     with pytest.raises(ValueError, match="another version of dataecho"):

@@ -3,29 +3,17 @@ world_size) alone, not on the number or kind of workers or their timing."""
 
 from __future__ import annotations
 
-import random
-import time
-
 import numpy as np
 import pytest
-import workloads
+from support import Records, Stream
 
 import dataecho
-
-
-class Jittery(workloads.Indexed):
-    """Reads that take a random (unseeded) time, so thread timing varies run to run."""
-
-    def __getitem__(self, i):
-        if random.random() < 0.05:
-            time.sleep(0.002)
-        return super().__getitem__(i)
 
 
 def ids(**kwargs):
     args = {"batch_size": 32, "echo_factor": 1.5, "seed": 11, "deterministic": True}
     args.update(kwargs)
-    loader = dataecho.EchoLoader(args.pop("source", Jittery(3000)), **args)
+    loader = dataecho.EchoLoader(args.pop("source", Records(3000, jitter=0.05)), **args)
     return [b["id"].tolist() for b in loader], loader
 
 
@@ -38,13 +26,13 @@ def test_same_batches_for_any_number_of_threads():
 
 
 def test_same_batches_with_process_workers():
-    reference, _ = ids(workers=1, source=workloads.Indexed(2000))
-    assert ids(workers=2, worker_type="process", source=workloads.Indexed(2000))[0] == reference
+    reference, _ = ids(workers=1, source=Records(2000))
+    assert ids(workers=2, worker_type="process", source=Records(2000))[0] == reference
 
 
 def test_same_batches_with_augment_and_batch_echo():
     def augment(example):  # deterministic per example
-        return {"id": example["id"], "x": example["x"] * 2}
+        return {"id": example["id"], "payload": example["payload"] * 2}
 
     for kwargs in ({"augment": augment}, {"echo_at": "batch", "echo_factor": 2.5}):
         assert ids(workers=1, **kwargs)[0] == ids(workers=4, **kwargs)[0]
@@ -65,7 +53,7 @@ def test_iterable_source_with_transform_workers():
 def test_seed_and_epoch_change_the_sequence():
     reference, _ = ids(workers=2)
     assert ids(workers=2, seed=12)[0] != reference
-    loader = dataecho.EchoLoader(Jittery(3000), batch_size=32, echo_factor=1.5, seed=11, deterministic=True, workers=3)
+    loader = dataecho.EchoLoader(Records(3000, jitter=0.05), batch_size=32, echo_factor=1.5, seed=11, deterministic=True, workers=3)
     first = [b["id"].tolist() for b in loader]
     second = [b["id"].tolist() for b in loader]
     assert first == reference, "epoch 0 is the same whatever the worker count"
@@ -76,4 +64,4 @@ def test_deterministic_refuses_auto():
     with pytest.raises(ValueError, match="echo_factor: 'auto'.*deterministic"):
         dataecho.EchoLoader(range(10), echo_factor="auto", deterministic=True)
     with pytest.raises(ValueError, match="deterministic: worker processes"):
-        dataecho.EchoLoader(workloads.Sharded(10), deterministic=True, worker_type="process")
+        dataecho.EchoLoader(Stream(10, tag_worker=True), deterministic=True, worker_type="process")

@@ -80,10 +80,11 @@ RANK_SCRIPT = """
 import json, os, sys
 import torch.distributed as dist
 sys.path.insert(0, {tests!r})
-import dataecho, workloads
+import dataecho
+from support import Records
 if __name__ == "__main__":
     dist.init_process_group("gloo", rank=int(sys.argv[1]), world_size=2, init_method="tcp://127.0.0.1:{port}")
-    loader = dataecho.EchoLoader(workloads.Indexed(2001), batch_size=32, echo_factor=2.5, deterministic=True)
+    loader = dataecho.EchoLoader(Records(2001), batch_size=32, echo_factor=2.5, deterministic=True)
     ids = [b["id"].tolist() for b in loader]
     # Every rank must agree on the number of steps, or a collective would hang.
     import torch

@@ -1,7 +1,7 @@
 """Fault injection: seeded scenarios, each in a subprocess with its own timeout.
 
-The scenarios live in fault_scenarios.py (see its docstring); each kind has
-several variants and takes every parameter from its seed:
+The scenarios live in the faults package, one module per kind (see its
+docstring); each kind has several variants and takes every parameter from its seed:
 
     error_thread, error_process   an exception in source/transform/augment at a random record
     close_put, close_iter         close() while puts, or the consumer, are blocked
@@ -19,7 +19,7 @@ seeds derive from a base seed, DATAECHO_TEST_SEED (default 12345), so that
 
     DATAECHO_TEST_SEED=<base> python -m pytest tests/test_faults.py -k <id>
 
-or, for one scenario, ``python tests/fault_scenarios.py <kind:variant> <seed>``
+or, for one scenario, ``python tests/faults <kind:variant> <seed>``
 replays a failure (the failure message prints both). DATAECHO_FAULT_SCALE
 multiplies the number of scenarios (a soak run), DATAECHO_FAULT_JOBS the
 subprocesses at a time.
@@ -39,11 +39,11 @@ import zlib
 from collections import deque
 from pathlib import Path
 
-import fault_scenarios
 import pytest
+from faults.registry import SCENARIOS
 
 TESTS = Path(__file__).resolve().parent
-SCRIPT = TESTS / "fault_scenarios.py"
+PROGRAM = TESTS / "faults"  # python tests/faults runs the package
 BASE_SEED = int(os.environ.get("DATAECHO_TEST_SEED", "12345"))
 SCALE = float(os.environ.get("DATAECHO_FAULT_SCALE", "1"))
 JOBS = int(os.environ.get("DATAECHO_FAULT_JOBS", "2"))
@@ -72,6 +72,7 @@ PLAN = {
     "start_interrupted": (3, 3),
 }
 
+
 def scenario_seed(kind: str, index: int) -> int:
     return zlib.crc32(f"{BASE_SEED}:{kind}:{index}".encode())
 
@@ -79,7 +80,7 @@ def scenario_seed(kind: str, index: int) -> int:
 def _plan() -> list:
     params = []
     for kind, (count, _) in PLAN.items():
-        variants = fault_scenarios.SCENARIOS[kind][1]
+        variants = SCENARIOS[kind][1]
         for index in range(max(1, round(count * SCALE))):
             spec, seed = f"{kind}:{variants[index % len(variants)]}", scenario_seed(kind, index)
             params.append(pytest.param(spec, seed, id=f"{spec}-{index}-seed{seed}"))
@@ -145,7 +146,7 @@ class Runner:
 
     def _run(self, batch: list[tuple[str, int]], number: int) -> None:
         log = self._dir / f"batch-{number}.stderr"
-        command = [sys.executable, "-u", str(SCRIPT), "--protocol", str(log), "--timeout", str(SCENARIO_TIMEOUT_S)]
+        command = [sys.executable, "-u", str(PROGRAM), "--protocol", str(log), "--timeout", str(SCENARIO_TIMEOUT_S)]
         command += [str(x) for pair in batch for x in pair]
         env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
         with open(log, "w") as stderr:
@@ -249,7 +250,7 @@ def runner(request, tmp_path_factory):
 def test_fault_scenario(spec, seed, runner, request):
     result = runner.result(spec, seed, WAIT_S)
     replay = (
-        f"replay: python tests/fault_scenarios.py {spec} {seed}\n"
+        f"replay: python tests/faults {spec} {seed}\n"
         f"    or: DATAECHO_TEST_SEED={BASE_SEED} python -m pytest tests/test_faults.py -k '{request.node.callspec.id}'"
     )
     if result is None:

@@ -41,14 +41,17 @@ import types
 import warnings
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
+import support
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from processes import dataecho_threads
+from support import PAYLOAD, Ledger, Records, Stream, free_slots, payload_of, shaped
 
 import dataecho
 
@@ -105,25 +108,16 @@ def check_error(exc: BaseException, allowed: tuple, names, what: str) -> None:
 
 def bounded(call, seconds: float, on_timeout=None):
     """Runs `call` on a helper thread; fails the test if it does not return in time."""
-    result: dict = {}
-
-    def run():
-        try:
-            result["value"] = call()
-        except BaseException as exc:  # handed back to the caller
-            result["error"] = exc
-
-    thread = threading.Thread(target=run, name="fuzz-bounded", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
+    task = support.start(call, "fuzz-bounded")
+    task.join(seconds)
+    if task.is_alive():
         if on_timeout is not None:
             on_timeout()
-        thread.join(5)
+        task.join(5)
         pytest.fail(f"a call did not return within {seconds} s")
-    if "error" in result:
-        raise result["error"]
-    return result.get("value")
+    if task.error is not None:
+        raise task.error
+    return task.result
 
 
 def canon(a) -> tuple:
@@ -620,7 +614,6 @@ def smoke(buf: dataecho.ShuffleBuffer, data) -> None:
     assert not got - put, "a batch holds bytes that were never put"
 
 
-
 @fuzz(max_examples=400)
 @given(buffer_arguments(), st.data())
 def test_shuffle_buffer_takes_any_arguments(arguments, data):
@@ -763,21 +756,12 @@ def echo_bounds(kwargs) -> tuple[int, int]:
     echo = kwargs.get("echo_factor", 1.0)
     if echo == "auto":
         return 1, math.floor(kwargs.get("max_echo", 4.0)) + 1
-    low = math.floor(echo)
-    return low, low if low == echo else low + 1
+    return support.echo_bounds(echo)
 
 
-@dataclass
-class Ledger:
-    """What went in and what came out of one buffer."""
-
-    accepted: Counter = field(default_factory=Counter)
-    delivered: Counter = field(default_factory=Counter)
-    kept: list = field(default_factory=list)  # (arrays, row keys) of every batch, kept alive
-    sizes: list = field(default_factory=list)
-
-
-def record_batch(batch, fields, single: bool, batch_size: int, ledger: Ledger) -> None:
+def record_batch(batch, fields, single: bool, batch_size: int, ledger: Ledger, kept: list) -> None:
+    """Checks a batch's shape, counts its rows (by value) as delivered, and keeps
+    it alive with its row keys in `kept`."""
     if single:
         arrays = [batch]
     else:
@@ -789,9 +773,8 @@ def record_batch(batch, fields, single: bool, batch_size: int, ledger: Ledger) -
         assert isinstance(a, np.ndarray) and a.dtype == f.dtype, f"{f.label()}: {type(a)} {getattr(a, 'dtype', '')}"
         assert a.shape == (rows, *f.shape), f"{f.label()}: batch shape {a.shape}"
     keys = [tuple(canon(a[i, ...]) for a in arrays) for i in range(rows)]
-    ledger.delivered.update(keys)
-    ledger.kept.append((arrays, keys))
-    ledger.sizes.append(rows)
+    ledger.deliver(keys)
+    kept.append((arrays, keys))
 
 
 def do_put(buf, data, fields, single, many, closed, ledger: Ledger) -> None:
@@ -834,10 +817,9 @@ def put_rows(expectation: Expectation, count: int, many: bool, ledger: Ledger) -
     if not count:
         return
     if not many:
-        ledger.accepted[tuple(canon(e) for e in expectation.expected)] += 1
+        ledger.accept([tuple(canon(e) for e in expectation.expected)])
         return
-    for i in range(count):
-        ledger.accepted[tuple(canon(e[i, ...]) for e in expectation.expected)] += 1
+    ledger.accept(tuple(canon(e[i, ...]) for e in expectation.expected) for i in range(count))
 
 
 @fuzz(max_examples=300)
@@ -848,6 +830,7 @@ def test_put_and_next_batch_take_any_example(setup, data):
     buf = dataecho.ShuffleBuffer(declaration, **kwargs)
     fields, batch_size = buf.fields, buf.batch_size
     ledger = Ledger()
+    kept: list = []  # (arrays, row keys) of every batch, kept alive
     closed = ended = False
     try:
         operations = data.draw(st.lists(st.sampled_from(["put", "put", "put", "put_many", "next", "next"]), min_size=1, max_size=16), label="operations")
@@ -869,7 +852,7 @@ def test_put_and_next_batch_take_any_example(setup, data):
                     ended = True
                     continue
                 assert not ended, "a batch after the end"
-                record_batch(batch, fields, single, batch_size, ledger)
+                record_batch(batch, fields, single, batch_size, ledger, kept)
             else:
                 do_put(buf, data, fields, single, operation == "put_many", closed, ledger)
         buf.close()
@@ -880,10 +863,10 @@ def test_put_and_next_batch_take_any_example(setup, data):
                 break
             except TimeoutError:
                 pytest.fail("no batch within 5 s after close(): the buffer hangs")
-            record_batch(batch, fields, single, batch_size, ledger)
+            record_batch(batch, fields, single, batch_size, ledger, kept)
 
         # Kept batches were never overwritten.
-        for arrays, keys in ledger.kept:
+        for arrays, keys in kept:
             assert [tuple(canon(a[i, ...]) for a in arrays) for i in range(len(keys))] == keys, "a live batch changed"
         # Only the last batch may be short (none with drop_last).
         assert all(n == batch_size for n in ledger.sizes[:-1]), f"short batch before the end: {ledger.sizes}"
@@ -900,7 +883,7 @@ def test_put_and_next_batch_take_any_example(setup, data):
         stats = buf.stats()
         assert stats["fresh"] == sum(ledger.accepted.values())
         assert stats["delivered"] == sum(ledger.sizes) and stats["batches"] == len(ledger.sizes)
-        assert stats["resident"] == 0 and buf.stats()["free_slots"] == buf.capacity, "a slot was not returned"
+        assert stats["resident"] == 0 and free_slots(buf) == buf.capacity, "a slot was not returned"
         if kwargs["drop_last"] and low == high:
             assert stats["delivered"] + stats["dropped"] == stats["fresh"] * low
         event(f"examples put: {min(sum(ledger.accepted.values()), 10)}{'+' if sum(ledger.accepted.values()) >= 10 else ''}")
@@ -974,59 +957,21 @@ def test_timeouts_of_any_type_are_checked_or_honoured(timeout, where):
 # ---- EchoLoader(...) and its epochs ----
 
 
-def make_example(i: int, form: str):
-    if form == "dict":
-        return {"id": i, "x": np.full(2, i, np.float32)}
-    if form == "tuple":
-        return (i, np.full(2, i, np.float32))
-    return i
-
-
-def _map_x(example, fn):
+def _map_payload(example, fn):
     if isinstance(example, dict):
-        return {"id": example["id"], "x": fn(example["x"])}
+        return {"id": example["id"], "payload": fn(example["payload"])}
     if isinstance(example, tuple):
         return (example[0], fn(example[1]))
     return fn(example)
 
 
+# On the uint8 payload these wrap around; check_epoch computes the same.
 def doubled(example):
-    return _map_x(example, lambda x: x * 2)
+    return _map_payload(example, lambda x: x * 2)
 
 
 def plus_one(example):
-    return _map_x(example, lambda x: x + 1)
-
-
-class Records:
-    """A map-style source of n examples."""
-
-    def __init__(self, n: int, form: str) -> None:
-        self.n, self.form = n, form
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i):
-        if not 0 <= i < self.n:
-            raise IndexError(i)
-        return make_example(int(i), self.form)
-
-    def __repr__(self) -> str:
-        return f"Records({self.n}, {self.form!r})"
-
-
-class Stream:
-    """An iterable source of n examples (iterable again every epoch)."""
-
-    def __init__(self, n: int, form: str) -> None:
-        self.n, self.form = n, form
-
-    def __iter__(self):
-        return (make_example(i, self.form) for i in range(self.n))
-
-    def __repr__(self) -> str:
-        return f"Stream({self.n}, {self.form!r})"
+    return _map_payload(example, lambda x: x + 1)
 
 
 ODD_SOURCES = ["abc", b"", [None], [_Opaque()], [np.zeros(0)], [{"a": 1}, {"b": 1}], [1, 2.5], [2**70], {"a": 1}, [np.zeros((1,) * 64)]]
@@ -1045,7 +990,7 @@ def loader_arguments(draw):
 
     n = draw(st.integers(0, 30))
     form = draw(st.sampled_from(["dict", "tuple", "scalar"]))
-    sources = [Records(n, form), Stream(n, form), [make_example(i, form) for i in range(n)]]
+    sources = [Records(n, form=form), Stream(n, form=form), [shaped(i, form) for i in range(n)]]
     if form == "scalar":
         sources.append(np.arange(n))
     kwargs = {"source": pick("source", st.sampled_from(sources), ODD_SOURCES)}
@@ -1142,10 +1087,6 @@ def invalid_loader_arguments(kw: dict) -> tuple[set, set]:
     return bad, unsure
 
 
-def dataecho_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("dataecho-")]
-
-
 def run_epochs(loader, epochs: int) -> list[list]:
     return [list(loader) for _ in range(epochs)]
 
@@ -1161,8 +1102,8 @@ def check_epoch(batches, kw: dict, n: int, form: str) -> int:
     ids = Counter()
     for batch in batches:
         if form == "dict":
-            assert isinstance(batch, dict) and sorted(batch) == ["id", "x"]
-            id_, x = to_numpy(batch["id"]), to_numpy(batch["x"])
+            assert isinstance(batch, dict) and sorted(batch) == ["id", "payload"]
+            id_, x = to_numpy(batch["id"]), to_numpy(batch["payload"])
         elif form == "tuple":
             assert isinstance(batch, tuple) and len(batch) == 2
             id_, x = to_numpy(batch[0]), to_numpy(batch[1])
@@ -1170,8 +1111,8 @@ def check_epoch(batches, kw: dict, n: int, form: str) -> int:
             id_, x = to_numpy(batch), None
         assert 1 <= len(id_) <= batch_size
         if x is not None:
-            assert x.shape == (len(id_), 2)
-            np.testing.assert_array_equal(x, f(id_.astype(np.float32))[:, None].repeat(2, 1))
+            assert x.shape == (len(id_), PAYLOAD)
+            np.testing.assert_array_equal(x, f(payload_of(id_)))
         ids.update(id_.tolist())
     expected_ids = {f(i) for i in range(n)} if form == "scalar" else set(range(n))
     assert set(ids) <= expected_ids, "an example that was never read"

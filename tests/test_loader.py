@@ -10,29 +10,10 @@ from collections import Counter, namedtuple
 
 import numpy as np
 import pytest
+from processes import dataecho_threads
+from support import PAYLOAD, InjectedFault, Records, checked_ids, payload_of
 
 import dataecho
-
-
-class Records:
-    """A map-style dataset of n examples {"id": i, "x": [i, i, i]} that counts reads."""
-
-    def __init__(self, n, delay_s=0.0):
-        self.n, self.delay_s = n, delay_s
-        self.reads = Counter()
-        self._lock = threading.Lock()
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        if not 0 <= i < self.n:
-            raise IndexError(i)
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        with self._lock:
-            self.reads[i] += 1
-        return {"id": i, "x": np.full(3, i, np.float32)}
 
 
 def ids_of(batches):
@@ -60,10 +41,6 @@ def stamps_by_id(batches):
     return stamps
 
 
-def dataecho_threads():
-    return [t for t in threading.enumerate() if t.name.startswith("dataecho-")]
-
-
 @pytest.fixture(autouse=True)
 def no_threads_from_earlier_tests():
     # An epoch dropped without close() stops its threads without joining them;
@@ -79,7 +56,9 @@ def no_threads_from_earlier_tests():
 
 def test_example_echo_after_augmentation_repeats_the_transformed_example(seed):
     # Augmentation inside transform: echoed as is.
-    loader = dataecho.EchoLoader(Records(2000), batch_size=32, echo_factor=2, transform=stamping(), seed=seed)
+    loader = dataecho.EchoLoader(
+        Records(2000, count_reads=True), batch_size=32, echo_factor=2, transform=stamping(), seed=seed
+    )
     batches = list(loader)
     seen = ids_of(batches)
     assert sorted(seen) == list(range(2000)) and set(seen.values()) == {2}
@@ -95,23 +74,23 @@ def test_example_echo_before_augmentation_augments_every_repeat_anew(seed):
     def augment(ex):
         with lock:
             stamp = next(stamps)
-        # A new field and a new shape: batches take augment's structure.
-        return {"id": ex["id"], "x": ex["x"][:2] * 2, "stamp": stamp}
+        # New fields and a new shape: batches take augment's structure.
+        return {"id": ex["id"], "head": ex["payload"][:2].astype(np.int64) * 2, "stamp": stamp}
 
     loader = dataecho.EchoLoader(Records(2000), batch_size=32, echo_factor=3, augment=augment, seed=seed)
     batches = list(loader)
-    assert batches[0]["x"].shape == (32, 2) and set(batches[0]) == {"id", "x", "stamp"}
+    assert batches[0]["head"].shape == (32, 2) and set(batches[0]) == {"id", "head", "stamp"}
     seen = ids_of(batches)
     assert sorted(seen) == list(range(2000)) and set(seen.values()) == {3}
     for b in batches:
-        np.testing.assert_array_equal(b["x"], 2 * b["id"][:, None].astype(np.float32) * np.ones((1, 2)))
+        np.testing.assert_array_equal(b["head"], 2 * payload_of(b["id"])[:, :2].astype(np.int64))
     assert all(len(set(s)) == 3 for s in stamps_by_id(batches).values()), "each repeat is augmented anew"
     assert not dataecho_threads()
 
 
 def test_augment_gets_read_only_views(seed):
     def augment(ex):
-        ex["x"] += 1  # an in-place change must not reach the repeat
+        ex["payload"] += 1  # an in-place change must not reach the repeat
         return ex
 
     loader = dataecho.EchoLoader(Records(100), batch_size=10, echo_factor=2, augment=augment, seed=seed)
@@ -133,7 +112,7 @@ def test_batch_echo_yields_each_batch_e_times_never_twice_in_a_row(seed):
     assert all(a != b for a, b in zip(keys[:-3], keys[1:-3])), "a repeat followed its original"
     # Repeats share memory and are read-only.
     with pytest.raises(ValueError, match="read-only"):
-        batches[0]["x"][0, 0] = -1
+        batches[0]["payload"][0, 0] = 1
     assert len(batches) == len(loader) == 300
 
 
@@ -145,7 +124,7 @@ def test_batch_echo_with_augment_augments_each_delivery(seed):
     seen = ids_of(batches)
     assert sorted(seen) == list(range(640)) and set(seen.values()) == {2}
     for b in batches:
-        np.testing.assert_array_equal(b["x"], b["id"][:, None].astype(np.float32) * np.ones((1, 3)))
+        checked_ids(b)
     stamps = stamps_by_id(batches)
     assert all(len(set(s)) == 2 for s in stamps.values()), "each delivery is augmented anew"
     assert sorted(itertools.chain.from_iterable(stamps.values())) == list(range(1280)), "one call per delivery"
@@ -195,51 +174,31 @@ def test_auto_batch_echo_repeats_only_when_the_upstream_lags(seed):
 # ---- producers, errors, shutdown ----
 
 
-class Boom(Exception):
-    pass
-
-
-def failing_source(n, at):
-    def read(i):
-        if i == at:
-            raise Boom(f"cannot read {i}")
-        return np.full(2, i)
-
-    class Source:
-        def __len__(self):
-            return n
-
-        def __getitem__(self, i):
-            return read(i)
-
-    return Source()
-
-
 @pytest.mark.parametrize("where", ["source", "transform", "augment", "iterable"])
 def test_errors_propagate_with_their_traceback_and_stop_every_thread(where, seed):
-    def bad_transform(x):
-        if int(np.asarray(x).ravel()[0]) == 777:
-            raise Boom("bad example 777")
-        return x
+    def bad_transform(ex):
+        if int(ex["id"]) == 777:
+            raise InjectedFault("bad example 777")
+        return ex
 
     def gen():
         for i in range(2000):
             if i == 500:
-                raise Boom("the stream broke")
+                raise InjectedFault("the stream broke")
             yield np.full(2, i)
 
     kwargs = {"batch_size": 16, "echo_factor": 2, "seed": seed, "shuffle": False}
-    source = {"source": failing_source(2000, 777), "iterable": gen()}.get(where, Records(2000))
+    source = {"source": Records(2000, fail_at=777), "iterable": gen()}.get(where, Records(2000))
     if where == "transform":
-        kwargs["transform"] = lambda ex: bad_transform(ex["x"])
+        kwargs["transform"] = bad_transform
     if where == "augment":
-        kwargs["augment"] = lambda ex: bad_transform(ex["x"])
+        kwargs["augment"] = bad_transform
     loader = dataecho.EchoLoader(source, **kwargs)
-    with pytest.raises(Boom) as info:
+    with pytest.raises(InjectedFault) as info:
         for _ in loader:
             pass
     frames = [f.name for f in info.traceback]
-    assert {"read", "bad_transform", "gen"} & set(frames), frames
+    assert {"read_record", "bad_transform", "gen"} & set(frames), frames
     deadline = time.monotonic() + 5
     while dataecho_threads() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -268,6 +227,12 @@ def test_dropping_an_epoch_stops_its_threads(seed):
         time.sleep(0.02)
     assert not dataecho_threads()
     assert loader.stats()["batches"] == 6
+
+
+def test_a_loader_nobody_else_holds_lives_as_long_as_its_epoch(seed):
+    # `for batch in EchoLoader(...)` keeps only the epoch: it keeps the loader.
+    batches = [b.copy() for b in dataecho.EchoLoader(range(1000), batch_size=100, echo_factor=2, seed=seed)]
+    assert sorted(np.concatenate(batches).tolist()) == sorted(list(range(1000)) * 2)
 
 
 def test_first_batch_comes_before_the_buffer_fills(seed):
@@ -387,9 +352,9 @@ def test_torch_output_shares_the_native_batch_memory(seed):
 
     last.next = spy
     batch = next(epoch)
-    assert isinstance(batch["x"], torch.Tensor) and batch["x"].shape == (32, 3)
-    assert {batch["x"].data_ptr(), batch["id"].data_ptr()} == native[-1], "no copy"
-    torch.testing.assert_close(batch["x"][:, 0], batch["id"].float())
+    assert isinstance(batch["payload"], torch.Tensor) and batch["payload"].shape == (32, PAYLOAD)
+    assert {batch["payload"].data_ptr(), batch["id"].data_ptr()} == native[-1], "no copy"
+    checked_ids({name: tensor.numpy() for name, tensor in batch.items()})
     loader.close()
 
 
@@ -397,7 +362,7 @@ def test_device_cpu_path_delivers_every_batch_in_order(seed):
     torch = pytest.importorskip("torch")
     loader = dataecho.EchoLoader(Records(320), batch_size=32, echo_factor=2, output="torch", device="cpu", seed=seed)
     batches = list(loader)
-    assert len(batches) == 20 and all(b["x"].device.type == "cpu" for b in batches)
+    assert len(batches) == 20 and all(b["payload"].device.type == "cpu" for b in batches)
     seen = Counter(torch.cat([b["id"] for b in batches]).tolist())
     assert sorted(seen) == list(range(320)) and set(seen.values()) == {2}
 
@@ -417,15 +382,13 @@ def test_pin_memory_and_cuda_without_cuda_fail_clearly():
     reason="needs CUDA",
 )
 def test_pinned_batches_reach_the_gpu(seed):
-    import torch
-
     loader = dataecho.EchoLoader(
         Records(2048), batch_size=64, echo_factor=2, output="torch", pin_memory=True, device="cuda", seed=seed
     )
     total = 0
     for batch in loader:
-        assert batch["x"].is_cuda
-        torch.testing.assert_close(batch["x"][:, 0], batch["id"].float())
+        assert batch["payload"].is_cuda
+        checked_ids({name: tensor.cpu().numpy() for name, tensor in batch.items()})
         total += len(batch["id"])
     assert total == 4096
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
 
 SCRIPT = r'''
 import ctypes
@@ -29,6 +30,7 @@ import threading
 import time
 
 import numpy as np
+from support import PAYLOAD, batch_blocks_allocated, examples, free_slots, id_buffer, payload_of
 
 import dataecho
 from dataecho import _core
@@ -40,14 +42,9 @@ POISON = _core.POISON_BYTE
 assert POISON == 0xDB, POISON
 rng = np.random.default_rng(seed)
 
-PAYLOAD = 40  # bytes per example; with batch_size 10 the id region (80 bytes) is followed by 48 of padding
+# With batch_size 10 the id region (80 bytes) is followed by 48 bytes of padding.
 PRODUCERS, CAPACITY, BATCH, ECHO, MAX_KEPT = 4, 48, 10, 2, 400
-
-
-def payload_of(ids):
-    """Bytes derived from the id and the position, all below 211: never 0xDB."""
-    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-    return ((ids[:, None] * 31 + np.arange(PAYLOAD)[None, :] * 7 + 3) % 211).astype(np.uint8)
+assert payload_of(np.arange(10_000)).max() < POISON, "the payload must never look like poison"
 
 
 def single_of(ids):
@@ -136,9 +133,8 @@ class Kept:
 
 
 def dict_phase(duration):
-    buf = dataecho.ShuffleBuffer({"id": ((), "int64"), "payload": ((PAYLOAD,), "uint8")},
-                                 capacity=CAPACITY, batch_size=BATCH, echo_factor=ECHO, seed=seed, prefetch=2)
-    producers = Producers(buf, lambda ids: {"id": ids, "payload": payload_of(ids)})
+    buf = id_buffer(capacity=CAPACITY, batch_size=BATCH, echo_factor=ECHO, seed=seed, prefetch=2)
+    producers = Producers(buf, examples)
     kept, delivered, blocks = Kept(), [], set()
     recycled = batches = 0
     deadline = time.monotonic() + duration
@@ -195,11 +191,11 @@ def dict_phase(duration):
     counts = np.bincount(np.concatenate(delivered), minlength=int(produced.max()) + 1)
     assert (counts[produced] == ECHO).all(), "an id was lost or duplicated"
     assert counts.sum() == ECHO * len(produced)
-    assert buf.stats()["free_slots"] == CAPACITY
+    assert free_slots(buf) == CAPACITY
     assert recycled > 100, f"only {recycled} batches came from recycled blocks"
     return (f"dict buffer: {batches} batches, {len(produced)} ids x{ECHO}, {recycled} recycled blocks "
             f"poisoned where unwritten, up to {kept.most} views kept, {kept.checks} checks of them, "
-            f"{buf.stats()['batch_blocks']} blocks allocated")
+            f"{batch_blocks_allocated(buf)} blocks allocated")
 
 
 def single_phase(duration):
@@ -266,8 +262,10 @@ def test_poison_build_keeps_live_batches_intact_and_poisons_recycled_blocks(tmp_
     )
     assert built.returncode == 0, f"poison build failed:\n{built.stdout[-3000:]}\n{built.stderr[-3000:]}"
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
-           "PYTHONFAULTHANDLER": "1"}
+    # The poison build first, so that it is the dataecho imported; then the tests,
+    # for the support module the script shares with the suite.
+    path = [str(site), str(TESTS), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONFAULTHANDLER": "1"}
     result = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(seed), "4", str(site)],
         capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env, check=False,

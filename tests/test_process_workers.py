@@ -4,36 +4,25 @@ slots; errors, killed workers and Ctrl-C end the epoch cleanly, and nothing
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
-import workloads
-from processes import descendants
+from processes import descendants, shm_segments, worker_processes
+from support import InjectedFault, Records, Stream, checked_ids, child_script, suicide_at_500, with_pid_and_tensor
 
 import dataecho
 from dataecho.buffer import NativeBuffer, buffer_config
 from dataecho.fields import parse_fields
 
-TESTS = str(Path(__file__).parent)
-
-
-def shm_segments():
-    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("dataecho-")) if os.path.isdir("/dev/shm") else []
-
 
 def dataecho_workers():
-    return [p for p in multiprocessing.active_children() if p.name.startswith("dataecho-worker")] or list(
-        descendants()
-    )
+    return worker_processes() or list(descendants())
 
 
 @pytest.fixture(autouse=True)
@@ -53,13 +42,13 @@ def ids(batches):
 
 def test_map_style_every_example_echoed_exactly(seed):
     loader = dataecho.EchoLoader(
-        workloads.Indexed(3000), batch_size=64, echo_factor=2, workers=2, worker_type="process", seed=seed
+        Records(3000), batch_size=64, echo_factor=2, workers=2, worker_type="process", seed=seed
     )
     batches = list(loader)
     seen = ids(batches)
     assert sorted(seen) == list(range(3000)) and set(seen.values()) == {2}
     for b in batches:
-        np.testing.assert_array_equal(b["x"], np.arange(8, dtype=np.uint8) + (b["id"] % 200)[:, None].astype(np.uint8))
+        checked_ids(b)
     stats = loader.stats()
     workers = stats["workers"]
     # One entry per worker process. How the work splits depends on when each
@@ -75,8 +64,8 @@ def test_map_style_every_example_echoed_exactly(seed):
 def test_iterable_shards_with_worker_info_and_transform_types(seed):
     pytest.importorskip("torch")
     loader = dataecho.EchoLoader(
-        workloads.Sharded(2000), batch_size=50, echo_factor=1, workers=2, worker_type="process",
-        transform=workloads.with_pid, seed=seed,
+        Stream(2000, tag_worker=True), batch_size=50, echo_factor=1, workers=2, worker_type="process",
+        transform=with_pid_and_tensor, seed=seed,
     )
     batches = list(loader)
     seen = ids(batches)
@@ -104,19 +93,19 @@ def test_unpicklable_source_or_transform_fails_at_construction():
 
 def test_worker_exception_is_raised_with_the_workers_traceback(seed):
     loader = dataecho.EchoLoader(
-        workloads.Indexed(5000, fail_at=1234), batch_size=32, echo_factor=1, workers=2,
+        Records(5000, fail_at=1234), batch_size=32, echo_factor=1, workers=2,
         worker_type="process", shuffle=False, seed=seed,
     )
-    with pytest.raises(KeyError, match="record 1234 is corrupt") as info:
+    with pytest.raises(InjectedFault, match="record 1234 is corrupt") as info:
         for _ in loader:
             pass
     remote = info.value.__cause__
-    assert "__getitem__" in str(remote) and "workloads.py" in str(remote)
+    assert "__getitem__" in str(remote) and "read_record" in str(remote) and "support.py" in str(remote)
 
 
 def test_a_killed_worker_is_reported_within_a_second(seed):
     loader = dataecho.EchoLoader(
-        workloads.Indexed(100_000, delay_s=0.0005), batch_size=16, echo_factor=1, workers=2,
+        Records(100_000, delay_s=0.0005), batch_size=16, echo_factor=1, workers=2,
         worker_type="process", seed=seed,
     )
     it = iter(loader)
@@ -132,8 +121,8 @@ def test_a_killed_worker_is_reported_within_a_second(seed):
 
 def test_a_worker_that_kills_itself_mid_put_does_not_hang(seed):
     loader = dataecho.EchoLoader(
-        workloads.Indexed(3000), batch_size=16, echo_factor=2, workers=2, worker_type="process",
-        transform=workloads.suicide_at_500, seed=seed,
+        Records(3000), batch_size=16, echo_factor=2, workers=2, worker_type="process",
+        transform=suicide_at_500, seed=seed,
     )
     with pytest.raises(RuntimeError, match="killed by SIGKILL"):
         list(loader)
@@ -141,7 +130,7 @@ def test_a_worker_that_kills_itself_mid_put_does_not_hang(seed):
 
 def test_leaving_early_stops_the_workers(seed):
     loader = dataecho.EchoLoader(
-        workloads.Indexed(100_000), batch_size=16, echo_factor=1, workers=2, worker_type="process", seed=seed
+        Records(100_000), batch_size=16, echo_factor=1, workers=2, worker_type="process", seed=seed
     )
     epoch = iter(loader)
     for i, _ in enumerate(epoch):
@@ -157,13 +146,16 @@ def test_leaving_early_stops_the_workers(seed):
 
 
 def test_ctrl_c_in_the_parent_stops_the_workers():
-    script = textwrap.dedent(
-        f"""
-        import os, sys, time
-        sys.path.insert(0, {TESTS!r})
-        import dataecho, workloads
+    # child_script: the child installs Python's SIGINT handler itself, whatever
+    # this process left it (ignored, in a suite started in the background).
+    script = child_script(
+        """
+        import os
+        import dataecho
+        from processes import shm_segments, worker_processes
+        from support import Records
         if __name__ == "__main__":
-            loader = dataecho.EchoLoader(workloads.Indexed(10**6, delay_s=0.05), batch_size=64, echo_factor=1,
+            loader = dataecho.EchoLoader(Records(10**6, delay_s=0.05), batch_size=64, echo_factor=1,
                                          workers=2, worker_type="process", seed=0)
             it = iter(loader)
             print("started", flush=True)
@@ -171,9 +163,7 @@ def test_ctrl_c_in_the_parent_stops_the_workers():
                 next(it)
             except KeyboardInterrupt:
                 print("interrupted", flush=True)
-            shm = [f for f in os.listdir("/dev/shm") if f.startswith(f"dataecho-{{os.getpid()}}-")]
-            import multiprocessing
-            print("left", len([p for p in multiprocessing.active_children() if p.name.startswith("dataecho")]), len(shm), flush=True)
+            print("left", len(worker_processes()), len(shm_segments(os.getpid())), flush=True)
         """
     )
     proc = subprocess.Popen([sys.executable, "-u", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -185,24 +175,24 @@ def test_ctrl_c_in_the_parent_stops_the_workers():
     finally:
         proc.kill()
     assert out.split() == ["interrupted", "left", "0", "0"], err
-    assert not [f for f in shm_segments() if f.startswith(f"dataecho-{proc.pid}-")], "the exited parent left a segment"
+    assert not shm_segments(proc.pid), "the exited parent left a segment"
 
 
 @pytest.mark.parametrize("ending", ["return", "raise"])
 def test_exiting_before_the_workers_attach_leaves_nothing(ending):
     # The region's name is removed once every worker has mapped it; an interpreter
     # that exits before then (workers still starting) must remove it itself.
-    script = textwrap.dedent(
+    script = child_script(
         f"""
-        import sys, threading, time
-        sys.path.insert(0, {TESTS!r})
-        import dataecho, workloads
+        import os, threading, time
+        import dataecho
+        from support import Records, worker_pids
         if __name__ == "__main__":
-            loader = dataecho.EchoLoader(workloads.Indexed(1000), batch_size=8, workers=2, worker_type="process")
+            loader = dataecho.EchoLoader(Records(1000), batch_size=8, workers=2, worker_type="process")
             it = iter(loader)
             # A daemon thread holds the epoch: it is never collected at exit.
             threading.Thread(target=lambda held: time.sleep(60), args=(it,), daemon=True).start()
-            print([w["pid"] for w in loader.stats()["workers"]], flush=True)
+            print(os.getpid(), worker_pids(loader), flush=True)
             if {ending!r} == "raise":
                 raise SystemExit(3)
         """
@@ -210,13 +200,14 @@ def test_exiting_before_the_workers_attach_leaves_nothing(ending):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
     assert proc.returncode == (3 if ending == "raise" else 0), proc.stderr
     assert "Traceback" not in proc.stderr and "terminate called" not in proc.stderr, proc.stderr
-    workers = eval(proc.stdout.strip())
+    pid, workers = proc.stdout.split(maxsplit=1)
+    workers = eval(workers)
     assert len(workers) == 2
     deadline = time.monotonic() + 3
     while any(os.path.exists(f"/proc/{pid}") for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(os.path.exists(f"/proc/{pid}") for pid in workers), "a worker outlived its parent"
-    assert not [f for f in shm_segments() if f.startswith(f"dataecho-{proc.pid}-")], "a segment was left"
+    assert not shm_segments(int(pid)), "a segment was left"
 
 
 def test_a_region_larger_than_dev_shm_is_a_clear_error():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import drain_ids, examples, id_buffer, join_all, start_producers
+from support import drain_ids, examples, id_buffer, join_producers, start_producers
 
 
 def deliver_in_order(n, seed, producer_chunks=100, **kwargs) -> np.ndarray:
@@ -14,7 +14,7 @@ def deliver_in_order(n, seed, producer_chunks=100, **kwargs) -> np.ndarray:
     buf = id_buffer(seed=seed, **kwargs)
     threads = start_producers(buf, [np.array_split(np.arange(n), producer_chunks)])
     batches = drain_ids(buf, check_payload=False)
-    join_all(threads)
+    join_producers(threads)
     return np.concatenate(batches)
 
 
@@ -68,7 +68,7 @@ def test_no_batch_repeats_an_example_while_enough_are_resident(seed):
     buf = id_buffer(capacity=capacity, batch_size=batch_size, echo_factor=echo, seed=seed)
     threads = start_producers(buf, [np.array_split(np.arange(n), 100)])
     batches = drain_ids(buf, check_payload=False)
-    join_all(threads)
+    join_producers(threads)
     with_repeat = [i for i, ids in enumerate(batches) if len(np.unique(ids)) < len(ids)]
     # Only the drain at the very end can have fewer than batch_size distinct
     # examples resident: with e = 2 that is at most the last two batches.
@@ -94,7 +94,7 @@ def test_same_seed_with_single_puts_and_a_slow_consumer(seed):
         out = []
         for i, batch in enumerate(buf):
             out.append(batch["id"].copy())
-        join_all(threads)
+        join_producers(threads)
         return np.concatenate(out)
 
     np.testing.assert_array_equal(run(), run())

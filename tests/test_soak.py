@@ -21,7 +21,6 @@ import collections
 import ctypes
 import faulthandler
 import gc
-import multiprocessing
 import os
 import sys
 import threading
@@ -30,8 +29,8 @@ from collections import Counter
 
 import numpy as np
 import pytest
-import workloads
-from conftest import examples, id_buffer, payload_of
+from processes import native_threads, shm_segments, worker_processes
+from support import Records, check_exact, checked_ids, examples, free_slots, id_buffer, one, payload_of
 
 import dataecho
 
@@ -50,24 +49,8 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def native_threads() -> int:
-    return len(os.listdir("/proc/self/task"))  # every OS thread, the buffers' assemblers included
-
-
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-def shm_segments() -> list[str]:
-    """This process's dataecho segments (named dataecho-<pid>-...; other
-    processes on the machine may have their own)."""
-    if not os.path.isdir("/dev/shm"):
-        return []
-    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(f"dataecho-{os.getpid()}-"))
-
-
-def worker_processes() -> list:
-    return [p for p in multiprocessing.active_children() if p.name.startswith("dataecho-worker")]
 
 
 def _trim_heap() -> None:
@@ -89,7 +72,9 @@ def snapshot(settle_s: float = 3.0) -> dict:
     previous = None
     while True:
         gc.collect()
-        current = (native_threads(), open_fds(), tuple(shm_segments()), len(worker_processes()))
+        # Every OS thread counts, the buffers' assemblers included; only this
+        # process's segments (other processes on the machine may have their own).
+        current = (len(native_threads()), open_fds(), tuple(shm_segments(os.getpid())), len(worker_processes()))
         if current == previous or time.monotonic() > deadline:
             break
         previous = current
@@ -127,7 +112,7 @@ def buffer_round(echo: float, seed: int, n: int, producers: int = 3, keep: int =
                 start += size
                 if size < 8:
                     for i in chunk:
-                        buf.put({"id": int(i), "payload": payload_of(np.array([i]))[0]}, timeout=WAIT_S)
+                        buf.put(one(i), timeout=WAIT_S)
                 else:
                     buf.put_many(examples(chunk), timeout=WAIT_S)
         except BaseException as exc:  # reported by the consumer
@@ -153,8 +138,7 @@ def buffer_round(echo: float, seed: int, n: int, producers: int = 3, keep: int =
             batch = buf.next_batch(timeout=WAIT_S)
         except StopIteration:
             break
-        ids = batch["id"]
-        np.testing.assert_array_equal(batch["payload"], payload_of(ids))
+        ids = checked_ids(batch)
         seen.update(ids.tolist())
         delivered += len(ids)
         kept.append(batch)
@@ -164,36 +148,18 @@ def buffer_round(echo: float, seed: int, n: int, producers: int = 3, keep: int =
     if errors:
         raise errors[0]
     for batch in kept:  # still intact after later batches were assembled
-        np.testing.assert_array_equal(batch["payload"], payload_of(batch["id"]))
+        checked_ids(batch)
     kept.clear()
 
-    assert sorted(seen) == list(range(n)), "an example was lost or invented"
-    low = int(echo)
-    allowed = {low} if low == echo else {low, low + 1}
-    assert set(seen.values()) <= allowed, f"echo {echo}: counts {Counter(seen.values())}"
+    check_exact(seen, range(n), echo, "an example was lost, invented or echoed wrongly: ")
     stats = buf.stats()
     assert stats["fresh"] == n and stats["delivered"] == delivered == sum(seen.values())
-    assert stats["resident"] == 0 and buf.stats()["free_slots"] == buf.capacity
+    assert stats["resident"] == 0 and free_slots(buf) == buf.capacity
     return delivered
 
 
-class Records:
-    """n examples {"id": i, "x": 4 float32 derived from i}."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i):
-        if not 0 <= i < self.n:
-            raise IndexError(i)
-        return {"id": i, "x": np.full(4, i % 1000, np.float32)}
-
-
 def bump(example):
-    return {"id": example["id"], "x": example["x"] + 1}
+    return {"id": example["id"], "payload": example["payload"] + 1}
 
 
 def loader_round(echo, echo_at: str, augment, seed: int, n: int, epochs: int = 2) -> int:
@@ -208,13 +174,10 @@ def loader_round(echo, echo_at: str, augment, seed: int, n: int, epochs: int = 2
             seen: Counter = Counter()
             for batch in loader:
                 ids = batch["id"]
-                expected = (ids % 1000).astype(np.float32) + (1 if augment else 0)
-                np.testing.assert_array_equal(batch["x"], np.repeat(expected[:, None], 4, axis=1))
+                expected = payload_of(ids) + (1 if augment else 0)  # bytes below 211: no wrap-around
+                np.testing.assert_array_equal(batch["payload"], expected)
                 seen.update(ids.tolist())
-            assert sorted(seen) == list(range(n)), "an example was lost or invented"
-            low = int(echo)
-            allowed = {low} if low == echo else {low, low + 1}
-            assert set(seen.values()) <= allowed, f"echo {echo} at {echo_at}: counts {Counter(seen.values())}"
+            check_exact(seen, range(n), echo, f"echo {echo} at {echo_at}: ")
             delivered += sum(seen.values())
         assert loader.stats()["delivered"] == delivered
     return delivered
@@ -223,15 +186,12 @@ def loader_round(echo, echo_at: str, augment, seed: int, n: int, epochs: int = 2
 def process_round(seed: int, n: int) -> int:
     """One epoch with worker processes writing into shared memory."""
     loader = dataecho.EchoLoader(
-        workloads.Indexed(n), batch_size=64, echo_factor=2, workers=2, worker_type="process", seed=seed
+        Records(n), batch_size=64, echo_factor=2, workers=2, worker_type="process", seed=seed
     )
     with loader:
         seen: Counter = Counter()
         for batch in loader:
-            np.testing.assert_array_equal(
-                batch["x"], np.arange(8, dtype=np.uint8) + (batch["id"] % 200)[:, None].astype(np.uint8)
-            )
-            seen.update(batch["id"].tolist())
+            seen.update(checked_ids(batch).tolist())
     assert sorted(seen) == list(range(n)) and set(seen.values()) == {2}
     return sum(seen.values())
 

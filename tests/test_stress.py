@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import counts, drain_ids, id_buffer, join_all, start_producers
+from support import counts, drain_ids, free_slots, id_buffer, join_producers, start_producers
 
 
 @pytest.mark.parametrize("producers,echo", [(4, 1), (8, 2)])
@@ -15,13 +15,13 @@ def test_a_million_examples_from_many_producers_exact_accounting(producers, echo
     per_thread = [np.array_split(np.arange(p, n, producers), 200) for p in range(producers)]
     threads = start_producers(buf, per_thread)
     batches = drain_ids(buf)
-    join_all(threads, timeout=60)
+    join_producers(threads, timeout_s=60)
 
     seen = counts(batches)
     assert len(seen) == n and min(seen) == 0 and max(seen) == n - 1
     assert set(seen.values()) == {echo}
     assert buf.stats()["delivered"] == n * echo
-    assert buf.stats()["free_slots"] == 4096
+    assert free_slots(buf) == 4096
 
 
 def test_single_example_puts_from_many_threads(seed):
@@ -30,7 +30,7 @@ def test_single_example_puts_from_many_threads(seed):
     chunks = [[np.array([t * per_thread + i]) for i in range(per_thread)] for t in range(threads_n)]
     threads = start_producers(buf, chunks)
     batches = drain_ids(buf)
-    join_all(threads, timeout=60)
+    join_producers(threads, timeout_s=60)
     seen = counts(batches)
     assert sorted(seen) == list(range(threads_n * per_thread))
     assert set(seen.values()) == {1}

@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the torch integration needs torch: pip install 'dataecho[torch]'")
 
-from conftest import examples, id_buffer, join_all, payload_of, run_python, start_producers  # noqa: E402
+from support import examples, id_buffer, join_producers, payload_of, run_python, start_producers  # noqa: E402
 
 from dataecho.torch_support import DeviceMover, allocate_pinned, pinned_pointers, to_torch  # noqa: E402
 
@@ -194,7 +194,7 @@ def test_buffer_batches_become_zero_copy_tensors(seed):
         assert tensors["payload"].data_ptr() == batch["payload"].ctypes.data
         kept.append((tensors, batch["id"].copy()))
         del batch, tensors
-    join_all(threads)
+    join_producers(threads)
     # The tensors alone keep their batches' memory: every kept one is unchanged.
     gc.collect()
     for tensors, ids in kept:

@@ -31,6 +31,8 @@ class Epoch:
         resume: {stage name: state} from a checkpoint, or None.
         on_finish: called once at the end with this epoch's counters and the
             per-worker counters.
+        owner: kept alive while the epoch is (the loader: ``for b in
+            EchoLoader(...)`` holds only the epoch).
 
     Attributes:
         epoch: the epoch number.
@@ -39,8 +41,9 @@ class Epoch:
     """
 
     def __init__(self, config: LoaderConfig, epoch: int, structure: Structure | None,
-                 resume: dict[str, Any] | None, on_finish: Callable[[dict, list], None]) -> None:
+                 resume: dict[str, Any] | None, on_finish: Callable[[dict, list], None], owner: Any = None) -> None:
         self.epoch = epoch
+        self._owner = owner
         self._config, self._on_finish = config, on_finish
         self._closed = False
         self._started = time.perf_counter()

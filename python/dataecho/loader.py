@@ -167,7 +167,7 @@ class EchoLoader:
         self.close()
         resume, self._resume = self._resume, None
         epoch = Epoch(self.config, self._epoch, self._structure, resume["stages"] if resume else None,
-                      self._totals.add)
+                      self._totals.add, owner=self)
         self._structure = self._structure or epoch.structure
         self._current_ref = weakref.ref(epoch)
         self._epoch += 1

@@ -1,0 +1,446 @@
+"""What the whole suite shares: one id/payload scheme, one map-style source, one
+ledger, checked drains, threads that keep their outcome, child interpreters, and
+the only place that reads the package's internals.
+
+Every example is ``{"id": i, "payload": payload_of(i)}``: its bytes derive from
+its id, so a torn, misplaced or recycled row shows as a payload that does not
+match its id. Test modules, fault scenarios and child scripts import this
+module by name (worker processes started by forkserver or spawn get the
+parent's ``sys.path``), so its sources and transforms are picklable.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+import dataecho
+
+TESTS = Path(__file__).resolve().parent
+PAYLOAD = 16  # bytes of id-derived payload per example
+FIELDS = {"id": ((), "int64"), "payload": ((PAYLOAD,), "uint8")}
+
+
+# ---- examples whose bytes are derived from their id ----
+
+
+def payload_of(ids: Any) -> np.ndarray:
+    """Bytes that depend on the id and on the byte position.
+
+    Every byte is below 211, so never the poison build's 0xDB: a row of 0xDB can
+    only come from recycled memory.
+    """
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    return ((ids[:, None] * 131 + np.arange(PAYLOAD)[None, :] * 7 + 3) % 211).astype(np.uint8)
+
+
+def examples(ids: Any) -> dict[str, np.ndarray]:
+    """Stacked examples for ``put_many``."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    return {"id": ids, "payload": payload_of(ids)}
+
+
+def one(i: int) -> dict[str, Any]:
+    """One example for ``put``, or for a source to return."""
+    return {"id": np.int64(i), "payload": payload_of([i])[0]}
+
+
+def id_buffer(**kwargs: Any) -> dataecho.ShuffleBuffer:
+    """A ShuffleBuffer of id/payload examples."""
+    return dataecho.ShuffleBuffer(FIELDS, **kwargs)
+
+
+def checked_ids(batch: dict[str, np.ndarray]) -> np.ndarray:
+    """The batch's ids (a copy), after checking that every payload byte belongs to its id."""
+    ids = np.asarray(batch["id"])
+    payload = np.asarray(batch["payload"])
+    assert ids.ndim == 1 and payload.shape == (len(ids), PAYLOAD), (ids.shape, payload.shape)
+    if not np.array_equal(payload, payload_of(ids)):
+        bad = np.flatnonzero((payload != payload_of(ids)).any(axis=1))
+        raise AssertionError(f"corrupt payload for ids {ids[bad][:5].tolist()}")
+    return ids.copy()
+
+
+# ---- sources and transforms (module level: worker processes unpickle them) ----
+
+
+class InjectedFault(Exception):
+    """The exception a test injects into a pipeline."""
+
+
+def read_record(source: Records, i: int) -> Any:
+    """Record i of `source`; a named frame, so that a traceback shows where a read failed."""
+    if i == source.fail_at:
+        time.sleep(source.fail_after_s)
+        raise InjectedFault(f"record {i} is corrupt")
+    if source.delay_s:
+        time.sleep(source.delay_s)
+    if source.jitter and source._rng.random() < source.jitter:
+        time.sleep(0.002)
+    return shaped(int(i), source.form)
+
+
+def shaped(i: int, form: str) -> Any:
+    """Example i as a dict (``one(i)``), an (id, payload) tuple, or the bare id."""
+    if form == "dict":
+        return one(i)
+    if form == "tuple":
+        return (np.int64(i), payload_of([i])[0])
+    return i
+
+
+class Records:
+    """The map-style source: record i is ``one(i)``.
+
+    Args:
+        n: number of records.
+        delay_s: every read sleeps this long (a slow upstream; the GIL is released).
+        fail_at: reading this index raises InjectedFault (after `fail_after_s`).
+        fail_after_s: how long the failing read takes.
+        count_reads: count reads per index in ``reads`` (in the process that reads:
+            with worker processes, in their copies).
+        jitter: the chance that a read pauses 2 ms. The pauses are drawn from a
+            seeded generator, but which reads get them depends on thread timing,
+            so the timing of a run is not repeatable, which is the point.
+        form: "dict" (``one(i)``), "tuple" (id, payload) or "scalar" (the id).
+    """
+
+    def __init__(
+        self,
+        n: int,
+        delay_s: float = 0.0,
+        fail_at: int | None = None,
+        fail_after_s: float = 0.0,
+        count_reads: bool = False,
+        jitter: float = 0.0,
+        form: str = "dict",
+    ) -> None:
+        self.n, self.delay_s, self.fail_at, self.fail_after_s = n, delay_s, fail_at, fail_after_s
+        self.jitter, self.form = jitter, form
+        self.reads: Counter | None = Counter() if count_reads else None
+        self._rng = random.Random(n)
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        example = read_record(self, i)
+        if self.reads is not None:
+            with self._lock:
+                self.reads[i] += 1
+        return example
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_lock"]  # a lock does not pickle; each copy gets its own
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:  # Hypothesis prints the source of a failing example
+        return f"Records({self.n}, form={self.form!r})"
+
+
+def generate_records(stream: Stream, start: int, step: int) -> Iterable[Any]:
+    """Records start, start + step, ...; a named frame, like read_record."""
+    info = dataecho.get_worker_info()
+    for i in range(start, stream.n, step):
+        if i == stream.fail_at:
+            raise InjectedFault(f"the stream broke at record {i}")
+        example = shaped(i, stream.form)
+        if stream.tag_worker:
+            example = {**example, "worker": -1 if info is None else info.id}
+        yield example
+
+
+class Stream:
+    """An iterable source of records 0..n-1 (iterable again every epoch); in
+    worker processes each worker reads its own shard.
+
+    Args:
+        n: number of records.
+        fail_at: the stream raises InjectedFault when it reaches this record.
+        form: as for Records.
+        tag_worker: add a "worker" field, the id of the worker process that read
+            the record (-1 outside one); form "dict" only.
+    """
+
+    def __init__(self, n: int, fail_at: int | None = None, form: str = "dict", tag_worker: bool = False) -> None:
+        self.n, self.fail_at, self.form, self.tag_worker = n, fail_at, form, tag_worker
+
+    def __iter__(self) -> Iterable[Any]:
+        info = dataecho.get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        return generate_records(self, start, step)
+
+    def __repr__(self) -> str:
+        return f"Stream({self.n}, form={self.form!r})"
+
+
+def with_pid(example: dict[str, Any]) -> dict[str, Any]:
+    """A transform that adds a Python number: the pid of the process that ran it."""
+    return {**example, "pid": os.getpid()}
+
+
+def with_pid_and_tensor(example: dict[str, Any]) -> dict[str, Any]:
+    """with_pid, and a torch tensor of the id."""
+    import torch
+
+    return {**with_pid(example), "t": torch.tensor([int(example["id"])], dtype=torch.int64)}
+
+
+def suicide_at_500(example: dict[str, Any]) -> dict[str, Any]:
+    """A transform whose process kills itself (SIGKILL) at record 500."""
+    if example["id"] == 500:
+        os.kill(os.getpid(), 9)
+    return example
+
+
+# ---- what went in and what came out ----
+
+
+class Ledger:
+    """What a buffer accepted and what it delivered, key by key, from any thread.
+
+    Keys are ids, or any hashable key of a row where examples have no id.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.accepted: Counter = Counter()
+        self.delivered: Counter = Counter()
+        self.sizes: list[int] = []  # rows of each delivered batch, in order
+
+    def accept(self, keys: Iterable[Any]) -> None:
+        keys = [int(k) if isinstance(k, (int, np.integer)) else k for k in keys]
+        with self._lock:
+            self.accepted.update(keys)
+
+    def deliver(self, keys: Iterable[Any]) -> None:
+        keys = list(keys)
+        with self._lock:
+            self.delivered.update(keys)
+            self.sizes.append(len(keys))
+
+    @property
+    def ids(self) -> list[Any]:
+        """Every accepted key, as often as it was accepted."""
+        return list(self.accepted.elements())
+
+    def __len__(self) -> int:
+        return sum(self.accepted.values())
+
+
+def echo_bounds(echo: float) -> tuple[int, int]:
+    """How often an example may be delivered at a fixed echo factor."""
+    return math.floor(echo), math.ceil(echo)
+
+
+def check_exact(delivered: Counter, accepted: Iterable[int], echo: float, what: str = "") -> None:
+    """Every accepted id delivered floor(e) or ceil(e) times (exactly e when it is
+    an integer), and nothing else delivered."""
+    accepted = Counter(int(i) for i in accepted)
+    twice = [i for i, c in accepted.items() if c > 1]
+    assert not twice, f"{what}ids accepted twice: {twice[:5]}"
+    strangers = [i for i in delivered if i not in accepted]
+    assert not strangers, f"{what}delivered ids that were never accepted: {sorted(strangers)[:5]}"
+    lo, hi = echo_bounds(echo)
+    wrong = {i: delivered.get(i, 0) for i in accepted if not lo <= delivered.get(i, 0) <= hi}
+    assert not wrong, (
+        f"{what}{len(wrong)} of {len(accepted)} ids delivered outside [{lo}, {hi}] times (echo {echo}): "
+        f"{dict(list(wrong.items())[:5])}"
+    )
+
+
+def check_at_most(delivered: Counter, valid: Callable[[int], bool], echo: float, what: str = "") -> None:
+    """A partial delivery: only valid ids, none more often than ceil(e)."""
+    invalid = [i for i in delivered if not valid(i)]
+    assert not invalid, f"{what}delivered invalid ids {sorted(invalid)[:5]}"
+    hi = math.ceil(echo)
+    over = {i: c for i, c in delivered.items() if c > hi}
+    assert not over, f"{what}ids delivered more than {hi} times: {dict(list(over.items())[:5])}"
+
+
+def check_buffer_totals(buf: dataecho.ShuffleBuffer, accepted: int, delivered: Counter) -> None:
+    """The buffer's counters agree with the ledger, and every slot came back."""
+    stats = buf.stats()
+    assert stats["fresh"] == accepted, (stats["fresh"], accepted)
+    assert stats["delivered"] == sum(delivered.values()), (stats["delivered"], sum(delivered.values()))
+    assert free_slots(buf) == buf.capacity, (free_slots(buf), buf.capacity)
+
+
+def counts(batches: Iterable[np.ndarray]) -> Counter:
+    """How often each id occurs in a list of id arrays."""
+    c: Counter = Counter()
+    for ids in batches:
+        c.update(ids.tolist())
+    return c
+
+
+# ---- draining, checked ----
+
+
+def drain(batches: Iterable[dict[str, np.ndarray]], delivered: Counter, step_s: float = 0.0) -> int:
+    """Iterates a buffer or an epoch to its end, checking every batch and counting
+    its ids in `delivered`; sleeps `step_s` after each batch (a training step).
+
+    Returns:
+        The number of batches.
+    """
+    taken = 0
+    for batch in batches:
+        delivered.update(checked_ids(batch).tolist())
+        taken += 1
+        if step_s:
+            time.sleep(step_s)
+    return taken
+
+
+def drain_ids(buf: Iterable[dict[str, np.ndarray]], check_payload: bool = True) -> list[np.ndarray]:
+    """Iterates to the end; returns each batch's ids (copied), checking payloads."""
+    return [checked_ids(b) if check_payload else b["id"].copy() for b in buf]
+
+
+# ---- threads that keep their outcome ----
+
+
+class Task(threading.Thread):
+    """A daemon thread that keeps its function's result or exception and when it ended."""
+
+    def __init__(self, fn: Callable[[], Any], name: str = "task") -> None:
+        super().__init__(name=name, daemon=True)
+        self._fn = fn
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.ended_at: float | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self._fn()
+        except BaseException as exc:  # kept for the test to judge
+            self.error = exc
+        finally:
+            self.ended_at = time.monotonic()
+            self._fn = None  # drop the closure's references (buffers) with the thread
+
+
+def start(fn: Callable[[], Any], name: str = "task") -> Task:
+    task = Task(fn, name)
+    task.start()
+    return task
+
+
+def join_all(tasks: Iterable[Task], timeout_s: float, what: str) -> None:
+    """Waits for every task, at most `timeout_s` in all; fails naming those still running."""
+    tasks = list(tasks)
+    deadline = time.monotonic() + timeout_s
+    for task in tasks:
+        task.join(max(0.0, deadline - time.monotonic()))
+    stuck = [t.name for t in tasks if t.is_alive()]
+    assert not stuck, f"{what}: threads still running after {timeout_s} s: {stuck}"
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float) -> bool:
+    """Polls `predicate` until it holds (True) or `timeout_s` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def start_producers(buf: dataecho.ShuffleBuffer, id_chunks: list, close: bool = True) -> list[Task]:
+    """One thread per list of id chunks, each calling put_many on its chunks; the
+    last one to finish closes the buffer."""
+    remaining = [len(id_chunks)]
+    lock = threading.Lock()
+
+    def produce(chunks: list) -> None:
+        try:
+            for chunk in chunks:
+                buf.put_many(examples(chunk))
+        finally:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last and close:
+                buf.close()
+
+    return [start(lambda chunks=chunks: produce(chunks), f"producer-{p}") for p, chunks in enumerate(id_chunks)]
+
+
+def join_producers(tasks: list[Task], timeout_s: float = 30.0) -> None:
+    """Waits for the producers of start_producers; raises the first one's error."""
+    join_all(tasks, timeout_s, "producers")
+    for task in tasks:
+        if task.error is not None:
+            raise task.error
+
+
+# ---- child interpreters ----
+
+# A suite started as a background job inherits SIGINT ignored, and so do its
+# children: a child that expects Ctrl-C must install Python's handler itself.
+CHILD_PRELUDE = f"""\
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+sys.path.insert(0, {str(TESTS)!r})
+"""
+
+
+def child_script(code: str) -> str:
+    """`code` (dedented) after CHILD_PRELUDE: Ctrl-C raises KeyboardInterrupt in
+    the child, and the child can import this module."""
+    return CHILD_PRELUDE + textwrap.dedent(code)
+
+
+def run_python(code: str, timeout: float = 30.0, **kwargs: Any) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh interpreter (see child_script), bounded by `timeout`."""
+    return subprocess.run(
+        [sys.executable, "-c", child_script(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+        **kwargs,
+    )
+
+
+# ---- buffer and loader diagnostics ----
+
+
+def free_slots(buf: dataecho.ShuffleBuffer) -> int:
+    """Slots not holding an example; equals the capacity once a buffer has drained."""
+    return buf.stats()["free_slots"]
+
+
+def slot_stride(buf: dataecho.ShuffleBuffer) -> int:
+    """Bytes from one slot to the next."""
+    return buf.slot_bytes
+
+
+def batch_blocks_allocated(buf: dataecho.ShuffleBuffer) -> int:
+    """Batch memory blocks the buffer's pool has allocated so far."""
+    return buf.stats()["batch_blocks"]
+
+
+def worker_pids(loader: dataecho.EchoLoader) -> list[int]:
+    """The pids of the worker processes of the loader's current epoch."""
+    return [worker["pid"] for worker in loader.stats()["workers"]]
