@@ -56,11 +56,16 @@ class IntakeStage:
             return  # nothing more to assemble: only the queued batches, replayed downstream
         self._buffer = NativeBuffer(parse_fields(structure.fields())[0], self._buffer_config(),
                                     _restore_snapshot(resume) if self._exact and resume else None)
-        if pinned_batches:
-            from .torch_support import pin_batch_memory
+        try:
+            if pinned_batches:
+                from .torch_support import pin_batch_memory
 
-            pin_batch_memory(self._buffer, pinned_batches)
-        self._start(first, resume, failure, on_failure)
+                pin_batch_memory(self._buffer, pinned_batches)
+            self._start(first, resume, failure, on_failure)
+        except BaseException:
+            self.stop()  # not in the chain yet: nothing else would stop its threads
+            self.join(0.0)
+            raise
 
     def _buffer_config(self) -> _core.BufferConfig:
         config = self._config
