@@ -3,8 +3,8 @@
 An epoch of an ``EchoLoader`` is a short chain of stages, built by
 :func:`dataecho.chain.build_chain`, each pulling batches from the one before::
 
-    intake (source, producers, echo buffer) -> [replay] -> [batch echo]
-        -> [augment -> replay] -> [replay -> device copy]
+    intake (source, producers, echo buffer) -> intake_replay -> [batch_echo]
+        -> [augment -> augment_replay] -> final_replay -> [device]
 
 A stage hands on :class:`Batch` objects. Its state, for checkpoints, is a
 small dict of numbers and arrays that names examples (by their position in
