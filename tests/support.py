@@ -79,11 +79,16 @@ class InjectedFault(Exception):
     """The exception a test injects into a pipeline."""
 
 
+def injected(kind: str, message: str) -> Exception:
+    """The exception a test injects: InjectedFault ("fault") or StopIteration ("stop")."""
+    return StopIteration(message) if kind == "stop" else InjectedFault(message)
+
+
 def read_record(source: Records, i: int) -> Any:
     """Record i of `source`; a named frame, so that a traceback shows where a read failed."""
     if i == source.fail_at:
         time.sleep(source.fail_after_s)
-        raise InjectedFault(f"record {i} is corrupt")
+        raise injected(source.fail_with, f"record {i} is corrupt")
     if source.delay_s:
         time.sleep(source.delay_s)
     if source.jitter and source._rng.random() < source.jitter:
@@ -108,6 +113,8 @@ class Records:
         delay_s: every read sleeps this long (a slow upstream; the GIL is released).
         fail_at: reading this index raises InjectedFault (after `fail_after_s`).
         fail_after_s: how long the failing read takes.
+        fail_with: "fault" (InjectedFault) or "stop" (StopIteration, as a next()
+            on an exhausted iterator in user code raises).
         count_reads: count reads per index in ``reads`` (in the process that reads:
             with worker processes, in their copies).
         jitter: the chance that a read pauses 2 ms. The pauses are drawn from a
@@ -125,8 +132,10 @@ class Records:
         count_reads: bool = False,
         jitter: float = 0.0,
         form: str = "dict",
+        fail_with: str = "fault",
     ) -> None:
         self.n, self.delay_s, self.fail_at, self.fail_after_s = n, delay_s, fail_at, fail_after_s
+        self.fail_with = fail_with
         self.jitter, self.form = jitter, form
         self.reads: Counter | None = Counter() if count_reads else None
         self._rng = random.Random(n)
@@ -210,6 +219,21 @@ def suicide_at_500(example: dict[str, Any]) -> dict[str, Any]:
     if example["id"] == 500:
         os.kill(os.getpid(), 9)
     return example
+
+
+class ExitAt:
+    """A transform whose worker process ends at record `record`: by ``os._exit(status)``
+    (as user code or a library may), or by SIGKILL with ``status=None``."""
+
+    def __init__(self, record: int, status: int | None = 0) -> None:
+        self.record, self.status = record, status
+
+    def __call__(self, example: dict[str, Any]) -> dict[str, Any]:
+        if int(example["id"]) == self.record and dataecho.get_worker_info() is not None:
+            if self.status is None:
+                os.kill(os.getpid(), 9)
+            os._exit(self.status)
+        return example
 
 
 # ---- what went in and what came out ----

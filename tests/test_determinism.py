@@ -65,3 +65,17 @@ def test_deterministic_refuses_auto():
         dataecho.EchoLoader(range(10), echo_factor="auto", deterministic=True)
     with pytest.raises(ValueError, match="deterministic: worker processes"):
         dataecho.EchoLoader(Stream(10, tag_worker=True), deterministic=True, worker_type="process")
+
+
+@pytest.mark.parametrize("worker_type", ["thread", "process"])
+def test_deterministic_intake_has_room_for_a_batch_out_of_order(worker_type):
+    # A batch's worth of examples may wait for an earlier one beside the resident
+    # ones: with less room than 2 * batch_size, intake could stall (it did).
+    with pytest.raises(ValueError, match=r"shuffle_buffer: with deterministic=True, expected at least 2 \* batch_size"):
+        dataecho.EchoLoader(Records(100), batch_size=32, shuffle_buffer=63, deterministic=True)
+    for epoch in range(3):
+        loader = dataecho.EchoLoader(Records(1000, jitter=0.05), batch_size=32, shuffle_buffer=64, echo_factor=1,
+                                     workers=4, deterministic=True, seed=epoch, worker_type=worker_type)
+        ids = sorted(i for batch in loader for i in batch["id"].tolist())
+        assert ids == list(range(1000))
+

@@ -4,6 +4,7 @@ The scenarios live in the faults package, one module per kind (see its
 docstring); each kind has several variants and takes every parameter from its seed:
 
     error_thread, error_process   an exception in source/transform/augment at a random record
+    stop_iteration                StopIteration raised by source/transform/augment (threads, processes)
     close_put, close_iter         close() while puts, or the consumer, are blocked
     close_storm                   close() from 8 threads at once, producers and consumer running
     delete_buffer                 a running buffer deleted (the last reference in any thread)
@@ -61,6 +62,7 @@ PLAN = {
     "delete_buffer": (15, 8),
     "timeout": (22, 11),
     "error_thread": (36, 12),
+    "stop_iteration": (10, 5),
     "close_put": (20, 10),
     "close_storm": (20, 10),
     "sigint_buffer": (15, 8),

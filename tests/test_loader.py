@@ -205,6 +205,55 @@ def test_errors_propagate_with_their_traceback_and_stop_every_thread(where, seed
     assert not dataecho_threads()
 
 
+@pytest.mark.parametrize("where", ["source", "transform", "augment", "process"])
+def test_stop_iteration_in_user_code_is_an_error_not_the_end(where, seed):
+    # A next() on an exhausted iterator inside __getitem__, transform or augment
+    # must not end the epoch silently, short of examples.
+    def stops_at_300(ex):
+        if int(ex["id"]) == 300:
+            next(iter([]))
+        return ex
+
+    source = Records(1000, fail_at=300 if where in ("source", "process") else None, fail_with="stop")
+    kwargs = {"batch_size": 10, "echo_factor": 1, "seed": seed}
+    kwargs.update({"transform": {"transform": stops_at_300}, "augment": {"augment": stops_at_300},
+                   "process": {"worker_type": "process"}}.get(where, {}))
+    with pytest.raises(RuntimeError, match="raised StopIteration") as info:
+        for _ in dataecho.EchoLoader(source, **kwargs):
+            pass
+    assert isinstance(info.value.__cause__, StopIteration)
+
+
+@pytest.mark.parametrize("echo_at", ["example", "batch"])
+def test_a_second_thread_taking_batches_gets_an_error_and_the_epoch_stays_exact(echo_at, seed):
+    loader = dataecho.EchoLoader(Records(2000), batch_size=8, echo_factor=2, echo_at=echo_at, seed=seed)
+    epoch = iter(loader)
+    taken, refused, unexpected = [], [], []
+
+    def take():
+        while True:
+            try:
+                batch = next(epoch)
+            except StopIteration:
+                return
+            except RuntimeError as error:
+                refused.append(str(error))
+                continue
+            except BaseException as error:  # reported below
+                unexpected.append(error)
+                return
+            taken.append(batch["id"].copy())
+
+    threads = [threading.Thread(target=take) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not unexpected, unexpected
+    assert all("another thread is already taking batches" in r for r in refused)
+    assert len(taken) == len(loader) and set(ids_of([{"id": t} for t in taken]).values()) == {2}
+
+
 def test_leaving_an_epoch_early_stops_its_threads(seed):
     loader = dataecho.EchoLoader(Records(100_000), batch_size=32, echo_factor=2, workers=3, seed=seed)
     epoch = iter(loader)

@@ -14,7 +14,9 @@ from collections import Counter
 import numpy as np
 import pytest
 from processes import descendants, shm_segments, worker_processes
-from support import InjectedFault, Records, Stream, checked_ids, child_script, suicide_at_500, with_pid_and_tensor
+from support import (
+    ExitAt, InjectedFault, Records, Stream, checked_ids, child_script, suicide_at_500, with_pid_and_tensor,
+)
 
 import dataecho
 from dataecho.buffer import NativeBuffer, buffer_config
@@ -125,6 +127,17 @@ def test_a_worker_that_kills_itself_mid_put_does_not_hang(seed):
         transform=suicide_at_500, seed=seed,
     )
     with pytest.raises(RuntimeError, match="killed by SIGKILL"):
+        list(loader)
+
+
+@pytest.mark.parametrize("status", [0, 3])
+def test_a_worker_that_exits_before_its_share_is_done_is_an_error(status, seed):
+    # Exit status 0 too: the examples the worker would have read are missing.
+    loader = dataecho.EchoLoader(
+        Records(3000), batch_size=16, echo_factor=2, workers=2, worker_type="process",
+        transform=ExitAt(500, status), seed=seed,
+    )
+    with pytest.raises(RuntimeError, match=rf"exited \(status {status}\) before finishing its share"):
         list(loader)
 
 

@@ -29,7 +29,7 @@ from .config import LoaderConfig
 from .errors import BufferClosed
 from .fields import parse_fields
 from .source import EpochSource, stack
-from .stage import Batch, Failure, Stage
+from .stage import Batch, Failure, Stage, stop_iteration_error
 from .structure import Structure, read_only
 
 __all__ = ["AugmentStage", "DeliveryRng"]
@@ -213,11 +213,14 @@ class AugmentStage:
         try:
             rng = DeliveryRng(*self._rng_key) if self._rng_key is not None else None
             while not self._stop.is_set():
-                task = self._take()
+                try:
+                    task = self._take()
+                except StopIteration:
+                    break  # the upstream has ended
                 for delivery, result in self._augmented(task, rng):
                     output = self.output or self._create_output(result)
                     output.put_values(self.out_structure.flatten(result), seq=delivery)
-        except (BufferClosed, StopIteration):
+        except BufferClosed:
             pass
         except BaseException as error:  # handed to the consumer, which raises it
             if self._failure.set(error):
@@ -260,10 +263,11 @@ class AugmentStage:
         views = read_only(arrays)
         for row, delivery in enumerate(task.deliveries.tolist()):
             example = self._structure.unflatten([v[row] for v in views])
-            if rng is None:
-                yield delivery, self._augment(example)
-            else:
-                yield delivery, self._augment(example, rng=rng.at(delivery))
+            try:
+                result = self._augment(example) if rng is None else self._augment(example, rng=rng.at(delivery))
+            except StopIteration as stop:  # not this generator's end: an error (see Failure.set)
+                raise stop_iteration_error(stop, "augment") from stop
+            yield delivery, result
 
     def _out_structure_for(self, first_result: Any) -> Structure:
         with self._setup:

@@ -107,11 +107,12 @@ def loader_config(source: Any, **arguments: Any) -> LoaderConfig:
     for name in ("transform", "augment"):
         if a[name] is not None and not callable(a[name]):
             raise TypeError(f"{name}: expected a callable or None, got {type(a[name]).__name__}")
-    shuffle_buffer = _check_shuffle_buffer(a["shuffle_buffer"], batch_size, echo_at, a["augment"] is not None)
+    deterministic = _checks.flag("deterministic", a["deterministic"])
+    shuffle_buffer = _check_shuffle_buffer(a["shuffle_buffer"], batch_size, echo_at, a["augment"] is not None,
+                                           deterministic)
     shard = resolve_shard(a["rank"], a["world_size"])
     # Ranks must agree on the epoch's permutation: a common seed.
     seed = _checks.seed(0 if a["seed"] is None and shard.world_size > 1 else a["seed"])
-    deterministic = _checks.flag("deterministic", a["deterministic"])
     echo_factor = _check_echo(a["echo_factor"], deterministic, shard)
     pin_memory = _checks.flag("pin_memory", a["pin_memory"])
     config = LoaderConfig(
@@ -159,13 +160,20 @@ def _check_source(source: Any, worker_type: str) -> Any:
     return source
 
 
-def _check_shuffle_buffer(value: Any, batch_size: int, echo_at: str, augment: bool) -> int:
+def _check_shuffle_buffer(value: Any, batch_size: int, echo_at: str, augment: bool, deterministic: bool) -> int:
     if value is None:
         value = DEFAULT_BATCHES if echo_at == "batch" else DEFAULT_EXAMPLES
     else:
         value = _checks.positive_int("shuffle_buffer", value, _core.MAX_CAPACITY)
     if echo_at == "example" and value < batch_size:
         raise ValueError(f"shuffle_buffer: {value} examples cannot hold a batch of {batch_size}")
+    if echo_at == "example" and deterministic and value < 2 * batch_size:
+        # Examples that arrive ahead of their turn wait in slots (up to a batch of
+        # them) beside the resident ones: with less room, intake could stall.
+        raise ValueError(
+            f"shuffle_buffer: with deterministic=True, expected at least 2 * batch_size = {2 * batch_size} "
+            f"examples (a batch's worth may wait out of order beside the resident ones), got {value}"
+        )
     # An epoch's native buffers hold at most MAX_CAPACITY examples each:
     # shuffle_buffer examples (echo_at="example"), 2 batches (echo_at="batch"),
     # 4 (the output of augment).

@@ -9,6 +9,7 @@ left early). Its state for a checkpoint is ``{stage name: stage.state()}``.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable
 
@@ -46,6 +47,7 @@ class Epoch:
         self._owner = owner
         self._config, self._on_finish = config, on_finish
         self._closed = False
+        self._consumer = threading.Lock()
         self._started = time.perf_counter()
         self._wait_s, self._delivered, self._batches = 0.0, 0, 0
         self._chain = Chain(mode=checkpoint_mode(config))
@@ -73,6 +75,16 @@ class Epoch:
         return self
 
     def __next__(self) -> Any:
+        # One consumer: the stages after the buffers (batch echo, replays, the
+        # device copy) keep state that a second thread pulling at once would tear.
+        if not self._consumer.acquire(blocking=False):
+            raise RuntimeError("EchoLoader: another thread is already taking batches from this epoch")
+        try:
+            return self._next()
+        finally:
+            self._consumer.release()
+
+    def _next(self) -> Any:
         start = time.perf_counter()
         try:
             batch = self._next_batch()

@@ -210,9 +210,14 @@ class ProcessProducers:
         while pipe in pipes and pipe.poll(0):
             self._receive(pipe, pipes, ready, done)
         code = process.exitcode
-        if worker in done or code == 0 or self._stop.is_set() or self._failure.error is not None:
+        if worker in done or self._stop.is_set() or self._failure.error is not None:
             return
-        how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited with {code}"
+        # Without its "done", a worker left part of its share unread, whatever its
+        # exit status (os._exit(0) in user code, say): the epoch would come up short.
+        if code is not None and code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
+        else:
+            how = f"exited (status {code}) before finishing its share of the source"
         self._fail(RuntimeError(f"dataecho worker {worker} (pid {process.pid}) {how}; the epoch is stopped"))
 
     def _fail(self, error: BaseException) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 
 from .config import LoaderConfig
 from .fields import parse_fields, to_field_array
+from .stage import stop_iteration_error
 from .structure import Structure
 
 __all__ = ["EpochSource", "Pickled", "order_seed"]
@@ -79,11 +80,18 @@ class EpochSource:
 
     def read(self, position: int) -> Any:
         """The example at ``position`` of the order, transformed."""
-        return self.transformed(self.config.source[int(self.order[position])])
+        try:
+            example = self.config.source[int(self.order[position])]
+        except StopIteration as stop:  # not the end of anything: an error (see Failure.set)
+            raise stop_iteration_error(stop, "source") from stop
+        return self.transformed(example)
 
     def transformed(self, example: Any) -> Any:
         transform = self.config.transform
-        return example if transform is None else transform(example)
+        try:
+            return example if transform is None else transform(example)
+        except StopIteration as stop:
+            raise stop_iteration_error(stop, "transform") from stop
 
     def read_rows(self, structure: Structure, rows: np.ndarray) -> tuple[np.ndarray, ...]:
         """The examples at ``rows`` (positions), stacked as the buffer would

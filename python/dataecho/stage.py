@@ -27,7 +27,7 @@ import numpy as np
 from .errors import BufferClosed
 from .structure import Structure
 
-__all__ = ["Batch", "Failure", "Stage", "weakly"]
+__all__ = ["Batch", "Failure", "Stage", "stop_iteration_error", "weakly"]
 
 
 @dataclass
@@ -101,7 +101,12 @@ class Failure:
         self.error: BaseException | None = None
 
     def set(self, error: BaseException) -> bool:
-        """Records ``error`` if it is the first; returns whether it was."""
+        """Records ``error`` if it is the first; returns whether it was. A
+        StopIteration (user code calling next() on an exhausted iterator, say)
+        is recorded as a RuntimeError: raised in the training loop as it is, it
+        would end the epoch silently, short of examples (as in a generator, PEP 479)."""
+        if isinstance(error, StopIteration):
+            error = stop_iteration_error(error)
         with self._lock:
             if self.error is not None:
                 return False
@@ -113,6 +118,16 @@ class Failure:
             # Re-raising the worker's own exception keeps its traceback (the
             # worker's frames) and adds the consumer's.
             raise self.error
+
+
+def stop_iteration_error(stop: StopIteration, where: str = "source, transform or augment") -> RuntimeError:
+    """The error that a StopIteration raised by user code becomes (its cause)."""
+    error = RuntimeError(
+        f"{where} raised StopIteration (a next() on an exhausted iterator, say); in a data pipeline it would "
+        "end the epoch silently, short of examples, so it is an error here, as in a generator"
+    )
+    error.__cause__ = stop
+    return error
 
 
 def weakly(method: Callable[..., Any], raise_if_gone: bool = False) -> Callable[..., Any]:

@@ -13,7 +13,7 @@ from typing import Any
 
 from processes import descendants, native_threads, shm_segments
 import dataecho
-from support import InjectedFault, id_buffer, wait_for
+from support import InjectedFault, id_buffer, injected, wait_for
 
 RELEASE_S = 0.5  # close() releases every waiter within this
 SIGINT_S = 1.0  # Ctrl-C becomes KeyboardInterrupt within this
@@ -79,36 +79,37 @@ def assert_clean(baseline: Baseline, what: str, timeout_s: float = CLEANUP_S) ->
 # ---- transforms and augments (module level: worker processes unpickle them) ----
 
 
-def transform_record(example: dict[str, Any], fail_id: int | None) -> dict[str, Any]:
+def transform_record(example: dict[str, Any], fail_id: int | None, fail_with: str = "fault") -> dict[str, Any]:
     if fail_id is not None and int(example["id"]) == fail_id:
-        raise InjectedFault(f"cannot transform record {fail_id}")
+        raise injected(fail_with, f"cannot transform record {fail_id}")
     return example
 
 
 class Transform:
-    """A transform that raises InjectedFault at record `fail_id` (None: never)."""
+    """A transform that raises at record `fail_id` (None: never): InjectedFault,
+    or StopIteration with fail_with="stop"."""
 
-    def __init__(self, fail_id: int | None = None) -> None:
-        self.fail_id = fail_id
+    def __init__(self, fail_id: int | None = None, fail_with: str = "fault") -> None:
+        self.fail_id, self.fail_with = fail_id, fail_with
 
     def __call__(self, example: dict[str, Any]) -> dict[str, Any]:
-        return transform_record(example, self.fail_id)
+        return transform_record(example, self.fail_id, self.fail_with)
 
 
-def augment_record(example: dict[str, Any], fail_id: int | None) -> dict[str, Any]:
+def augment_record(example: dict[str, Any], fail_id: int | None, fail_with: str = "fault") -> dict[str, Any]:
     if fail_id is not None and int(example["id"]) == fail_id:
-        raise InjectedFault(f"cannot augment record {fail_id}")
+        raise injected(fail_with, f"cannot augment record {fail_id}")
     return {"id": example["id"], "payload": example["payload"]}
 
 
 class Augment:
-    """An augment that copies the example and raises InjectedFault at record `fail_id`."""
+    """An augment that copies the example and raises at record `fail_id` (as Transform)."""
 
-    def __init__(self, fail_id: int | None = None) -> None:
-        self.fail_id = fail_id
+    def __init__(self, fail_id: int | None = None, fail_with: str = "fault") -> None:
+        self.fail_id, self.fail_with = fail_id, fail_with
 
     def __call__(self, example: dict[str, Any]) -> dict[str, Any]:
-        return augment_record(example, self.fail_id)
+        return augment_record(example, self.fail_id, self.fail_with)
 
 
 def loader_options(rng: random.Random, augment: bool | None = None) -> dict[str, Any]:

@@ -32,6 +32,16 @@ _FAULT_FRAME = {
 }
 
 
+def drain_until(loader: Any, delivered: Counter, expected: type) -> BaseException | None:
+    """Drains the loader's epoch into `delivered`; the `expected` exception it
+    ended with, or None if it ended without one."""
+    try:
+        drain(loader, delivered)
+    except expected as exc:
+        return exc
+    return None
+
+
 def producer_error(rng: random.Random, variant: str, seed: int, worker_type: str) -> None:
     """source, transform or augment raises at a random record: the exception reaches
     the loop with the frame that raised it, what came before is intact, and the
@@ -52,11 +62,7 @@ def producer_error(rng: random.Random, variant: str, seed: int, worker_type: str
         options["augment"] = Augment(fail_at)
     loader = dataecho.EchoLoader(source, seed=seed, worker_type=worker_type, **options)
     delivered: Counter = Counter()
-    error = None
-    try:
-        drain(loader, delivered)
-    except InjectedFault as exc:
-        error = exc
+    error = drain_until(loader, delivered, InjectedFault)
     assert error is not None, f"the epoch ended without the fault injected at record {fail_at}"
     assert str(fail_at) in str(error), error
     assert raised_in(error, _FAULT_FRAME[variant]), (
@@ -69,6 +75,37 @@ def producer_error(rng: random.Random, variant: str, seed: int, worker_type: str
     del error
     assert_clean(baseline, "after the error reached the consumer")
     loader.close()
+    loader.close()
+
+
+def user_stop_iteration(rng: random.Random, variant: str, seed: int) -> None:
+    """source, transform or augment raises StopIteration at a random record (a
+    next() on an exhausted iterator in user code): the loop gets a RuntimeError
+    caused by it, never a silent end of the epoch short of examples."""
+    baseline = Baseline()
+    worker_type, where = variant.split("_")
+    n = rng.randint(1, 2500)
+    fail_at = rng.randrange(n)
+    options = loader_options(rng, augment=True if where == "augment" else None)
+    if worker_type == "process":
+        options["workers"] = rng.randint(1, 3)
+    source = Records(n, fail_at=fail_at if where == "source" else None, fail_with="stop")
+    if where == "transform":
+        options["transform"] = Transform(fail_at, fail_with="stop")
+    if where == "augment":
+        options["augment"] = Augment(fail_at, fail_with="stop")
+    loader = dataecho.EchoLoader(source, seed=seed, worker_type=worker_type, **options)
+    delivered: Counter = Counter()
+    error = drain_until(loader, delivered, RuntimeError)
+    assert error is not None, (
+        f"the epoch ended without an error ({sum(delivered.values())} deliveries of {n} records; "
+        f"StopIteration injected at record {fail_at})"
+    )
+    assert "StopIteration" in str(error) and isinstance(error.__cause__, StopIteration), repr(error)
+    assert str(fail_at) in str(error.__cause__), error.__cause__
+    check_at_most(delivered, lambda i: 0 <= i < n and i != fail_at, options["echo_factor"])
+    del error
+    assert_clean(baseline, "after the error reached the consumer")
     loader.close()
 
 

@@ -12,7 +12,7 @@ from faults.ctrl_c import sigint_buffer, sigint_loader, start_interrupted
 from faults.deletion import delete_buffer, delete_loader, put_many_cycle
 from faults.exiting import exit_scenario
 from faults.fork import fork_scenario
-from faults.producer_errors import augment_after_abort, producer_error
+from faults.producer_errors import augment_after_abort, producer_error, user_stop_iteration
 from faults.reuse import reuse
 from faults.timeouts import timeout_scenario
 
@@ -24,6 +24,10 @@ SCENARIOS: dict[str, tuple[Callable[[random.Random, str, int], None], list[str]]
     "error_process": (
         lambda rng, variant, seed: producer_error(rng, variant, seed, "process"),
         ["source", "transform", "iterable"],
+    ),
+    "stop_iteration": (
+        user_stop_iteration,
+        ["thread_source", "thread_transform", "thread_augment", "process_source", "process_transform"],
     ),
     "close_put": (close_put, ["put", "put_timeout", "put_many", "consume_first"]),
     "close_iter": (close_iter, ["empty", "below_initial", "drained", "next_timeout"]),

@@ -73,6 +73,9 @@ inline BufferConfig validated(BufferConfig config) {
   DATAECHO_CHECK(config.echo_factor >= 1.0 && config.echo_factor < kMaxEcho);
   DATAECHO_CHECK(config.max_echo >= 1.0 && config.max_echo < kMaxEcho);
   DATAECHO_CHECK(!((config.deterministic || config.exact_echo) && config.auto_echo));
+  // Deterministic intake: up to batch_size - 1 examples wait out of order beside
+  // the resident ones (at most capacity - batch_size): both must fit.
+  DATAECHO_CHECK(!config.deterministic || config.capacity >= 2 * config.batch_size);
   if (config.restore) {
     const Snapshot& s = *config.restore;
     DATAECHO_CHECK(config.deterministic && s.seqs.size() == s.echoes.size() && s.seqs.size() <= config.capacity &&
