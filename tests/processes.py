@@ -11,6 +11,20 @@ import threading
 def descendants() -> dict[int, str]:
     """Live descendants of this process (zombies excluded), without multiprocessing's
     forkserver and resource tracker, which live until the interpreter exits."""
+    found, parent = _tree(os.getpid())
+    helpers = {
+        p for p, c in found.items() if parent[p] == os.getpid() and ("forkserver" in c or "resource_tracker" in c)
+    }
+    return {p: c for p, c in found.items() if p not in helpers}
+
+
+def family(pid: int) -> dict[int, str]:
+    """Every live descendant of process `pid` (pid -> command line), helpers included."""
+    return _tree(pid)[0]
+
+
+def _tree(root: int) -> tuple[dict[int, str], dict[int, int]]:
+    """(live descendants of `root`: pid -> command line, every live pid -> its parent)."""
     parent, cmdline = {}, {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -24,17 +38,14 @@ def descendants() -> dict[int, str]:
             if fields[0] != "Z":
                 parent[int(entry)] = int(fields[1])
                 cmdline[int(entry)] = command
-    found, frontier = {}, [os.getpid()]
+    found, frontier = {}, [root]
     while frontier:
         pid = frontier.pop()
         for child, ppid in parent.items():
             if ppid == pid and child not in found:
                 found[child] = cmdline[child]
                 frontier.append(child)
-    helpers = {
-        p for p, c in found.items() if parent[p] == os.getpid() and ("forkserver" in c or "resource_tracker" in c)
-    }
-    return {p: c for p, c in found.items() if p not in helpers}
+    return found, parent
 
 
 def pid_alive(pid: int) -> bool:

@@ -221,6 +221,19 @@ def suicide_at_500(example: dict[str, Any]) -> dict[str, Any]:
     return example
 
 
+class Stall:
+    """A transform that sleeps `seconds` on every example read in a worker process
+    (not in the loader's own process, which reads one to learn the structure)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __call__(self, example: dict[str, Any]) -> dict[str, Any]:
+        if dataecho.get_worker_info() is not None:
+            time.sleep(self.seconds)
+        return example
+
+
 class ExitAt:
     """A transform whose worker process ends at record `record`: by ``os._exit(status)``
     (as user code or a library may), or by SIGKILL with ``status=None``."""
@@ -433,6 +446,44 @@ def child_script(code: str) -> str:
     """`code` (dedented) after CHILD_PRELUDE: Ctrl-C raises KeyboardInterrupt in
     the child, and the child can import this module."""
     return CHILD_PRELUDE + textwrap.dedent(code)
+
+
+def kill_owner(loader_args: str, settle_s: float = 1.0, within_s: float = 5.0) -> dict[int, str]:
+    """Starts a process that builds ``EchoLoader(<loader_args>)`` with worker
+    processes and starts an epoch, SIGKILLs it after `settle_s`, and returns the
+    processes it had started (workers, forkserver, resource tracker) still
+    running `within_s` later; any left are killed before returning."""
+    from processes import family, pid_alive
+
+    script = child_script(
+        f"""
+        import time
+        import dataecho
+        from support import ExitAt, Records, Stall, Stream
+        if __name__ == "__main__":
+            loader = dataecho.EchoLoader({loader_args})
+            it = iter(loader)
+            time.sleep({settle_s})
+            print("ready", flush=True)
+            time.sleep(60)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-u", "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        if proc.stdout.readline().strip() != "ready":
+            raise AssertionError("the owner process did not start its epoch")
+        started = family(proc.pid)
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + within_s
+        while any(pid_alive(pid) for pid in started) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {pid: command for pid, command in started.items() if pid_alive(pid)}
+    finally:
+        proc.kill()
+        proc.stdout.close()
+        for pid in family(proc.pid):
+            os.kill(pid, 9)
 
 
 def run_python(code: str, timeout: float = 30.0, **kwargs: Any) -> subprocess.CompletedProcess:

@@ -5,6 +5,8 @@ docstring); each kind has several variants and takes every parameter from its se
 
     error_thread, error_process   an exception in source/transform/augment at a random record
     stop_iteration                StopIteration raised by source/transform/augment (threads, processes)
+    owner_killed                  SIGKILL of the process that owns worker processes
+    worker_exit                   a worker process that exits (status 0, 3, SIGKILL) before its share is done
     close_put, close_iter         close() while puts, or the consumer, are blocked
     close_storm                   close() from 8 threads at once, producers and consumer running
     delete_buffer                 a running buffer deleted (the last reference in any thread)
@@ -56,6 +58,8 @@ WAIT_S = 90.0  # a test waits this long for its scenario (pytest's limit is 120 
 # that the two subprocesses finish together
 PLAN = {
     "exit": (12, 4),
+    "owner_killed": (6, 3),
+    "worker_exit": (6, 3),
     "sigint_loader": (12, 6),
     "error_process": (10, 5),
     "reuse": (18, 6),

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from processes import descendants, shm_segments, worker_processes
 from support import (
-    ExitAt, InjectedFault, Records, Stream, checked_ids, child_script, suicide_at_500, with_pid_and_tensor,
+    ExitAt, InjectedFault, Records, Stream, checked_ids, child_script, kill_owner, suicide_at_500,
+    with_pid_and_tensor,
 )
 
 import dataecho
@@ -189,6 +190,20 @@ def test_ctrl_c_in_the_parent_stops_the_workers():
         proc.kill()
     assert out.split() == ["interrupted", "left", "0", "0"], err
     assert not shm_segments(proc.pid), "the exited parent left a segment"
+
+
+@pytest.mark.parametrize("blocked", ["in_put", "in_user_code"])
+def test_a_killed_owner_takes_its_workers_and_helpers_with_it(blocked):
+    # SIGKILL (the OOM killer, a preemption) runs no cleanup in the owner. Its
+    # workers, children of the forkserver, must still notice and exit, whether
+    # they wait for a free slot or sit in the user's code, and the forkserver and
+    # resource tracker with them.
+    stall_s = 0.0 if blocked == "in_put" else 60.0
+    left = kill_owner(
+        f"Records(10**6), batch_size=8, shuffle_buffer=8, echo_factor=1, workers=2, worker_type='process', "
+        f"transform=Stall({stall_s}), seed=0"
+    )
+    assert not left, f"still running after the owner was killed: {left}"
 
 
 @pytest.mark.parametrize("ending", ["return", "raise"])

@@ -13,6 +13,7 @@ import itertools
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -78,12 +79,14 @@ class WorkerSpec:
     order: Any  # map-style: the rank's reading order (dataset index per position)
 
 
-def main(spec: WorkerSpec, conn: Any) -> None:
-    """Runs one worker until the source is exhausted or the parent closes the buffer."""
+def main(spec: WorkerSpec, conn: Any, lifeline: Any) -> None:
+    """Runs one worker until the source is exhausted or the parent closes the
+    buffer; ``lifeline`` reaches EOF when the process that owns the loader is gone."""
     global _info
     # Ctrl-C reaches the whole process group; the parent decides, and stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent = os.getppid()  # the loader, or the forkserver that outlives it only briefly
+    _watch_owner(lifeline)
+    parent = os.getppid()  # the loader, or the forkserver
     _die_with_parent()
     if os.getppid() != parent:
         return  # the parent died before the death signal was armed
@@ -173,6 +176,22 @@ def _send(conn: Any, message: tuple) -> None:
             conn.send(("error", worker, RuntimeError(f"{type(error).__name__}: {error}"), text))
         else:
             raise
+
+
+def _watch_owner(lifeline: Any) -> None:
+    """Ends this process as soon as the owner of the loader is gone, whatever this
+    process is doing (waiting for a slot, or inside the user's code): nothing is
+    ever written to the lifeline, so it becomes readable only at EOF, when its
+    one writer, the owner, has exited."""
+
+    def watch() -> None:
+        try:
+            lifeline.poll(None)
+        except (OSError, EOFError):
+            pass
+        os._exit(0)  # nobody is left to report to
+
+    threading.Thread(target=watch, name="dataecho-owner-watch", daemon=True).start()
 
 
 def _die_with_parent() -> None:

@@ -94,6 +94,7 @@ class ProcessProducers:
             context.set_forkserver_preload(["dataecho._worker"])
         self._processes: list[Any] = []
         self._pipes: list[Any] = []
+        self._lifeline: Any = None
         self._monitor: threading.Thread | None = None
         try:
             self._start(context, structure, source, config.transform)
@@ -105,6 +106,11 @@ class ProcessProducers:
 
     def _start(self, context: Any, structure: Structure, source: EpochSource, transform: Any) -> None:
         workers, buffer = self.workers, self._buffer
+        # The lifeline: this process holds its only write end and never writes, so
+        # every worker's read end sees EOF the moment this process is gone, however
+        # it dies (SIGKILL, the OOM killer). The workers' parent is the forkserver,
+        # which outlives us, so watching the parent would not do.
+        lifeline, self._lifeline = context.Pipe(duplex=False)
         for worker in range(workers):
             spec = _worker.WorkerSpec(
                 region=buffer.region_name,
@@ -120,12 +126,13 @@ class ProcessProducers:
             )
             receiver, sender = context.Pipe(duplex=False)
             process = context.Process(
-                target=_worker.main, args=(spec, sender), name=f"dataecho-worker-{worker}", daemon=True
+                target=_worker.main, args=(spec, sender, lifeline), name=f"dataecho-worker-{worker}", daemon=True
             )
             process.start()
             sender.close()  # the child holds the only writer: EOF means it is gone
             self._processes.append(process)
             self._pipes.append(receiver)
+        lifeline.close()  # the workers hold the read ends
         self._monitor = threading.Thread(target=self._watch, name="dataecho-monitor", daemon=True)
         self._monitor.start()
 
@@ -156,6 +163,7 @@ class ProcessProducers:
         # collected in a reference cycle, a connection's own finalizer may have
         # closed its descriptor already, and the number may be in use again.)
         self._pipes.clear()
+        self._lifeline = None  # every worker has ended
 
     def counters(self) -> list[dict[str, float]]:
         """Per worker: its process id, examples produced and seconds busy reading

@@ -12,6 +12,7 @@ from faults.ctrl_c import sigint_buffer, sigint_loader, start_interrupted
 from faults.deletion import delete_buffer, delete_loader, put_many_cycle
 from faults.exiting import exit_scenario
 from faults.fork import fork_scenario
+from faults.owners import owner_killed, worker_exit
 from faults.producer_errors import augment_after_abort, producer_error, user_stop_iteration
 from faults.reuse import reuse
 from faults.timeouts import timeout_scenario
@@ -29,6 +30,8 @@ SCENARIOS: dict[str, tuple[Callable[[random.Random, str, int], None], list[str]]
         user_stop_iteration,
         ["thread_source", "thread_transform", "thread_augment", "process_source", "process_transform"],
     ),
+    "owner_killed": (owner_killed, ["map_in_put", "map_in_user_code", "iterable"]),
+    "worker_exit": (worker_exit, ["status0", "status3", "kill"]),
     "close_put": (close_put, ["put", "put_timeout", "put_many", "consume_first"]),
     "close_iter": (close_iter, ["empty", "below_initial", "drained", "next_timeout"]),
     "close_storm": (close_storm, ["put", "put_many", "mixed"]),
