@@ -254,6 +254,43 @@ def test_a_second_thread_taking_batches_gets_an_error_and_the_epoch_stays_exact(
     assert len(taken) == len(loader) and set(ids_of([{"id": t} for t in taken]).values()) == {2}
 
 
+def test_a_stale_iterator_says_so_instead_of_ending_quietly(seed):
+    loader = dataecho.EchoLoader(Records(1000), batch_size=10, echo_factor=1, seed=seed)
+    first = iter(loader)
+    next(first)
+    second = iter(loader)
+    with pytest.raises(RuntimeError, match="ended by a later iter"):
+        next(first)
+    assert sum(len(b["id"]) for b in second) == 1000, "the newer epoch is whole"
+    with pytest.raises(RuntimeError, match="ended by a later iter"):
+        list(zip(loader, loader))
+    loader.close()
+    closed = iter(loader)
+    loader.close()  # closed by the user: it ends quietly
+    assert list(closed) == []
+
+
+def test_two_threads_starting_epochs_at_once_never_end_one_short(seed):
+    loader = dataecho.EchoLoader(Records(2000, delay_s=0.0002), batch_size=10, echo_factor=1, seed=seed)
+    outcomes, barrier = [], threading.Barrier(2)
+
+    def run():
+        barrier.wait()
+        try:
+            outcomes.append(sum(len(b["id"]) for b in loader))
+        except RuntimeError as error:
+            outcomes.append(str(error))
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(outcomes) == 2
+    assert all(o == 2000 or "ended by a later iter" in str(o) for o in outcomes), outcomes
+    assert 2000 in outcomes
+
+
 def test_leaving_an_epoch_early_stops_its_threads(seed):
     loader = dataecho.EchoLoader(Records(100_000), batch_size=32, echo_factor=2, workers=3, seed=seed)
     epoch = iter(loader)

@@ -47,6 +47,7 @@ class Epoch:
         self._owner = owner
         self._config, self._on_finish = config, on_finish
         self._closed = False
+        self._superseded = False  # ended by a later iter(loader): its next() says so
         self._consumer = threading.Lock()
         self._started = time.perf_counter()
         self._wait_s, self._delivered, self._batches = 0.0, 0, 0
@@ -80,7 +81,17 @@ class Epoch:
         if not self._consumer.acquire(blocking=False):
             raise RuntimeError("EchoLoader: another thread is already taking batches from this epoch")
         try:
-            return self._next()
+            if not self._superseded:
+                try:
+                    return self._next()
+                except StopIteration:
+                    if not self._superseded:  # ended while this call waited: say why
+                        raise
+            raise RuntimeError(
+                "EchoLoader: this iterator's epoch was ended by a later iter(loader); a loader runs one "
+                "epoch at a time (its workers and epoch count are shared), so take batches from the newest "
+                "iterator only"
+            )
         finally:
             self._consumer.release()
 
@@ -158,6 +169,12 @@ class Epoch:
 
     def close(self) -> None:
         """Stops this epoch's threads and processes and waits for them (idempotent)."""
+        self._finish()
+
+    def supersede(self) -> None:
+        """Ends this epoch for a newer one: a later next() raises instead of ending quietly."""
+        if not self._closed:
+            self._superseded = True
         self._finish()
 
     def _finish(self, wait: bool = True) -> None:

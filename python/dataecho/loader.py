@@ -14,6 +14,7 @@ stages (:mod:`dataecho.chain`) is::
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from typing import Any, Callable
 
@@ -152,6 +153,7 @@ class EchoLoader:
         # Weakly: an epoch nobody iterates any more is collected, and stops.
         self._current_ref: Callable[[], Epoch | None] = lambda: None
         self._totals = Totals()
+        self._starting = threading.Lock()
 
     def __getattr__(self, name: str) -> Any:
         # The validated arguments, read as attributes (as torch's DataLoader keeps its own).
@@ -163,15 +165,19 @@ class EchoLoader:
     # ---- iteration ----
 
     def __iter__(self) -> Epoch:
-        """Starts an epoch (map-style sources: a new order from seed and epoch)."""
-        self.close()
-        resume, self._resume = self._resume, None
-        epoch = Epoch(self.config, self._epoch, self._structure, resume["stages"] if resume else None,
-                      self._totals.add, owner=self)
-        self._structure = self._structure or epoch.structure
-        self._current_ref = weakref.ref(epoch)
-        self._epoch += 1
-        return epoch
+        """Starts an epoch (map-style sources: a new order from seed and epoch). An
+        epoch still running ends: its iterator raises a RuntimeError if used again."""
+        with self._starting:  # two threads starting epochs at once: one after the other
+            current = self._current
+            if current is not None:
+                current.supersede()
+            resume, self._resume = self._resume, None
+            epoch = Epoch(self.config, self._epoch, self._structure, resume["stages"] if resume else None,
+                          self._totals.add, owner=self)
+            self._structure = self._structure or epoch.structure
+            self._current_ref = weakref.ref(epoch)
+            self._epoch += 1
+            return epoch
 
     @property
     def _current(self) -> Epoch | None:

@@ -86,7 +86,7 @@ def reuse(rng: random.Random, variant: str, seed: int) -> None:
     echo = options["echo_factor"]
     epochs = rng.randint(2, 3)
     fresh = 0
-    abandoned = None
+    abandoned, closed = None, False
     for e in range(epochs):
         delivered: Counter = Counter()
         epoch = iter(loader)
@@ -96,7 +96,9 @@ def reuse(rng: random.Random, variant: str, seed: int) -> None:
                     next(abandoned)
                     raise AssertionError("a batch from an abandoned epoch after the next one started")
                 except StopIteration:
-                    pass
+                    assert closed, "an epoch ended by a later iter(loader) stopped quietly"
+                except RuntimeError as error:  # never a silent end of the loop that still uses it
+                    assert not closed and "ended by a later iter(loader)" in str(error), error
             abandoned = None
         if variant == "abandon" and e < epochs - 1:
             stop_after = rng.randint(0, 4)
@@ -105,8 +107,9 @@ def reuse(rng: random.Random, variant: str, seed: int) -> None:
                     break
                 delivered.update(checked_ids(batch).tolist())
             check_at_most(delivered, lambda i: 0 <= i < n, echo, f"abandoned epoch {e}: ")
-            if rng.random() < 0.5:
-                loader.close()
+            closed = rng.random() < 0.5
+            if closed:
+                loader.close()  # ended by the user: it ends quietly
             abandoned = epoch
             continue
         drain(epoch, delivered)
