@@ -81,6 +81,30 @@ def test_iterable_shards_with_worker_info_and_transform_types(seed):
     assert dataecho.get_worker_info() is None
 
 
+def test_a_torch_iterable_dataset_shards_itself_with_torch_worker_info(seed):
+    # As under DataLoader(num_workers=2): each worker reads its shard, once.
+    torch_sources = pytest.importorskip("torch_sources")
+    loader = dataecho.EchoLoader(
+        torch_sources.ShardedByTorch(400), batch_size=20, echo_factor=1, workers=2, worker_type="process", seed=seed,
+    )
+    batches = list(loader)
+    rows = {}
+    for b in batches:
+        for i, worker, workers, worker_seed, own, draws in zip(
+            b["id"].tolist(), b["worker"].tolist(), b["workers"].tolist(), b["seed"].tolist(),
+            b["own_copy"].tolist(), b["draws"].tolist(),
+        ):
+            assert i not in rows, f"example {i} delivered twice"
+            rows[i] = (worker, workers, worker_seed, own, tuple(draws))
+    assert sorted(rows) == list(range(400))
+    assert all(w == i % 2 and n == 2 and own for i, (w, n, _, own, _) in rows.items())
+    seeds = {w: s for w, _, s, _, _ in rows.values()}
+    assert len(set(seeds.values())) == 2, "a seed per worker"
+    first_draws = [rows[w][4] for w in (0, 1)]  # each worker's first example: its generators' first draws
+    assert first_draws[0] != first_draws[1], "random, NumPy and torch seeded per worker"
+    assert dataecho.get_worker_info() is None
+
+
 def test_unpicklable_source_or_transform_fails_at_construction():
     with pytest.raises(TypeError, match="source: worker_type='process'.*pickled"):
         dataecho.EchoLoader((i for i in range(10)), worker_type="process")

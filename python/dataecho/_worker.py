@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 import signal
 import sys
 import threading
@@ -36,23 +37,26 @@ class WorkerInfo:
     Attributes:
         id: this worker's index, in ``range(num_workers)``.
         num_workers: worker processes of the loader.
-        seed: a seed distinct per worker and epoch, for the worker's own randomness.
+        seed: a seed distinct per worker and epoch, for the worker's own randomness
+            (``random``, NumPy's global generator and torch's are seeded from it).
+        dataset: this worker's copy of the source.
     """
 
     id: int
     num_workers: int
     seed: int
+    dataset: Any = None
 
 
 _info: WorkerInfo | None = None
 
 
 def get_worker_info() -> WorkerInfo | None:
-    """In a worker process, the worker's id, count and seed; None elsewhere.
+    """In a worker process, the worker's id, count, seed and dataset; None elsewhere.
 
     An iterable source that runs in worker processes is iterated by every
-    worker: use this to read a different shard in each, as with torch's
-    ``get_worker_info()``::
+    worker: use this to read a different shard in each (a torch ``Dataset``
+    may use torch's ``get_worker_info()`` instead, which returns the same)::
 
         def __iter__(self):
             info = dataecho.get_worker_info()
@@ -90,8 +94,8 @@ def main(spec: WorkerSpec, conn: Any, lifeline: Any) -> None:
     _die_with_parent()
     if os.getppid() != parent:
         return  # the parent died before the death signal was armed
-    _info = WorkerInfo(spec.worker_id, spec.num_workers, spec.seed)
-    np.random.seed(spec.seed % (1 << 32))
+    _info = WorkerInfo(spec.worker_id, spec.num_workers, spec.seed, spec.source)
+    _seed_and_inform(_info)
     try:
         producer = _core.Producer(spec.region, [(f.shape, f.dtype) for f in spec.fields])
     except BaseException as error:
@@ -176,6 +180,29 @@ def _send(conn: Any, message: tuple) -> None:
             conn.send(("error", worker, RuntimeError(f"{type(error).__name__}: {error}"), text))
         else:
             raise
+
+
+def _seed_and_inform(info: WorkerInfo) -> None:
+    """Seeds this worker's global generators, as torch's DataLoader seeds its
+    workers, and, where the source brought torch along (a torch Dataset),
+    makes ``torch.utils.data.get_worker_info()`` return this worker's info, so
+    that a dataset that shards itself with it (an IterableDataset, Hugging Face,
+    WebDataset) reads its own shard here as it would under DataLoader."""
+    random.seed(info.seed)
+    np.random.seed(info.seed % (1 << 32))
+    torch = sys.modules.get("torch")  # imported by unpickling the source, or not at all
+    if torch is None:
+        return
+    torch.manual_seed(info.seed)
+    torch.set_num_threads(1)  # as DataLoader's workers: one per core, not one pool per worker
+    try:
+        import torch.utils.data._utils.worker as torch_worker
+    except ImportError:  # a torch without this module: its get_worker_info() stays None
+        return
+    # The slot torch's own worker loop fills, the only one its get_worker_info() reads.
+    torch_worker._worker_info = torch_worker.WorkerInfo(
+        id=info.id, num_workers=info.num_workers, seed=info.seed, dataset=info.dataset
+    )
 
 
 def _watch_owner(lifeline: Any) -> None:

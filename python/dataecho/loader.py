@@ -90,7 +90,9 @@ class EchoLoader:
             threads). They write examples straight into the echo buffer's slots in
             shared memory. ``source`` and ``transform`` must be picklable; an
             iterable source is iterated by every worker, which should read its own
-            shard using ``dataecho.get_worker_info()``. Started per epoch.
+            shard using ``dataecho.get_worker_info()`` (or, for a torch
+            ``Dataset``, torch's ``get_worker_info()``, as under DataLoader).
+            Started per epoch.
         start_method: for processes: ``"forkserver"`` (default where available)
             or ``"spawn"``; ``"fork"`` is refused, as forking a process that runs
             native threads is unsafe.
