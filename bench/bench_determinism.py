@@ -44,15 +44,9 @@ def loader(nbytes: int, deterministic: bool, worker_type: str, n: int, augment=N
     )
 
 
-def rate(nbytes: int, deterministic: bool, worker_type: str, n: int, warmup: int = 4) -> float:
-    """Delivered examples per second over one epoch, after `warmup` batches."""
-    epoch = iter(loader(nbytes, deterministic, worker_type, n))
-    for _ in range(warmup):
-        next(epoch)
-    start, rows = time.perf_counter(), 0
-    for batch in epoch:
-        rows += len(batch["id"])
-    return rows / (time.perf_counter() - start)
+def rate(nbytes: int, deterministic: bool, worker_type: str, n: int) -> float:
+    """Delivered examples per second over one epoch."""
+    return common.epoch_rate(loader(nbytes, deterministic, worker_type, n))
 
 
 def first_batch_s(make, state=None) -> float:

@@ -69,6 +69,17 @@ def print_targets(checks: list[dict[str, Any]]) -> None:
         print(f"  [{mark}] {section}{c['target']}: {c['shown']}")
 
 
+def epoch_rate(loader: dataecho.EchoLoader, warmup: int = 4) -> float:
+    """Delivered examples per second over one epoch of `loader`, after `warmup` batches."""
+    epoch = iter(loader)
+    for _ in range(warmup):
+        next(epoch)
+    start, rows = time.perf_counter(), 0
+    for batch in epoch:
+        rows += len(batch["id"])
+    return rows / (time.perf_counter() - start)
+
+
 class Records:
     """The map-style source of the loader benchmarks: example i is ``{"x": row,
     "id": i}``, the row one of 16 random rows of `nbytes` bytes.

@@ -36,11 +36,14 @@ Sections (every figure in a table is measured in the same run; higher is better 
     echo factors 1, 2, 4 and auto against the ideal speed-up ``min(e, R)``.
 (c) The process-worker comparison of ``bench_workers``: ``EchoLoader`` process
     and thread workers against torch ``DataLoader(num_workers=2)``.
+(d) What safe in-place batch echo costs (``bench_batch_echo``): with torch
+    output every repeat of a batch but the last is a copy; NumPy output shares
+    one batch as read-only views.
 
 Targets are printed at the end as met / NOT met.
 
 Usage:
-    python bench/compare.py [--quick] [--sections a,b,c] [--json PATH]
+    python bench/compare.py [--quick] [--sections a,b,c,d] [--json PATH]
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from typing import Any
 
 import numpy as np
 
+import bench_batch_echo
 import bench_buffer
 import bench_echo
 import bench_workers
@@ -368,14 +372,14 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the chosen sections, prints one table per section, then the targets."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short runs: about two minutes in all")
-    parser.add_argument("--sections", default="a,b,c", help="comma-separated subset of a,b,c")
+    parser.add_argument("--sections", default="a,b,c,d", help="comma-separated subset of a,b,c,d")
     parser.add_argument("--seconds", type=float, default=None, help="(a) seconds per contestant (default 1.5, quick 0.5)")
     parser.add_argument("--repeat", type=int, default=None, help="(a) interleaved rounds, medians (default 3, quick 1)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args(argv)
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}
-    if not sections <= {"a", "b", "c"}:
-        parser.error(f"--sections: expected a subset of a,b,c, got {args.sections!r}")
+    if not sections <= {"a", "b", "c", "d"}:
+        parser.error(f"--sections: expected a subset of a,b,c,d, got {args.sections!r}")
     seconds = args.seconds if args.seconds is not None else (0.5 if args.quick else 1.5)
     repeat = args.repeat if args.repeat is not None else (1 if args.quick else 3)
 
@@ -410,6 +414,15 @@ def main(argv: list[str] | None = None) -> int:
         bench_workers.print_table(rows)
         checks += [{"section": "c", **c} for c in bench_workers.targets(rows)]
         report["c"] = {"count": count, "warmup": warmup, "rows": rows}
+        print()
+
+    if "d" in sections and available["torch"][0] is not None:
+        n, rounds = (4_000, 1) if args.quick else (20_000, 3)
+        print(f"(d) batch echo with torch output (bench_batch_echo): a copy per repeat against NumPy's shared "
+              f"read-only repeats; delivered examples/s, median of {rounds} round(s); higher is better")
+        rows = bench_batch_echo.run(n, rounds)
+        bench_batch_echo.print_table(rows)
+        report["d"] = {"n": n, "rounds": rounds, "rows": rows}
         print()
 
     common.print_targets(checks)

@@ -349,6 +349,22 @@ def drain(batches: Iterable[dict[str, np.ndarray]], delivered: Counter, step_s: 
     return taken
 
 
+def take_refused(epoch: Iterable[dict[str, np.ndarray]], refused: list[str]) -> list[np.ndarray]:
+    """Takes batches from `epoch` to its end as one of several consumer threads:
+    a RuntimeError (another thread is inside next()) is noted in `refused` and
+    the take tried again. Returns the checked ids of each batch taken."""
+    taken = []
+    while True:
+        try:
+            batch = next(epoch)
+        except StopIteration:
+            return taken
+        except RuntimeError as error:
+            refused.append(str(error))
+            continue
+        taken.append(checked_ids(batch))
+
+
 def drain_ids(buf: Iterable[dict[str, np.ndarray]], check_payload: bool = True) -> list[np.ndarray]:
     """Iterates to the end; returns each batch's ids (copied), checking payloads."""
     return [checked_ids(b) if check_payload else b["id"].copy() for b in buf]

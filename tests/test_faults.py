@@ -63,6 +63,8 @@ PLAN = {
     "sigint_loader": (12, 6),
     "error_process": (10, 5),
     "reuse": (18, 6),
+    "second_consumer": (8, 4),
+    "stale_iterator": (9, 3),
     "delete_buffer": (15, 8),
     "timeout": (22, 11),
     "error_thread": (36, 12),

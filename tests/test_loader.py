@@ -11,7 +11,7 @@ from collections import Counter, namedtuple
 import numpy as np
 import pytest
 from processes import dataecho_threads
-from support import PAYLOAD, InjectedFault, Records, checked_ids, payload_of
+from support import PAYLOAD, InjectedFault, Records, checked_ids, join_all, payload_of, start, take_refused
 
 import dataecho
 
@@ -228,29 +228,12 @@ def test_stop_iteration_in_user_code_is_an_error_not_the_end(where, seed):
 def test_a_second_thread_taking_batches_gets_an_error_and_the_epoch_stays_exact(echo_at, seed):
     loader = dataecho.EchoLoader(Records(2000), batch_size=8, echo_factor=2, echo_at=echo_at, seed=seed)
     epoch = iter(loader)
-    taken, refused, unexpected = [], [], []
-
-    def take():
-        while True:
-            try:
-                batch = next(epoch)
-            except StopIteration:
-                return
-            except RuntimeError as error:
-                refused.append(str(error))
-                continue
-            except BaseException as error:  # reported below
-                unexpected.append(error)
-                return
-            taken.append(batch["id"].copy())
-
-    threads = [threading.Thread(target=take) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not unexpected, unexpected
+    refused: list[str] = []
+    consumers = [start(lambda: take_refused(epoch, refused), f"consumer-{i}") for i in range(2)]
+    join_all(consumers, 60, "consumers")
+    assert [c.error for c in consumers] == [None, None]
     assert all("another thread is already taking batches" in r for r in refused)
+    taken = [ids for c in consumers for ids in c.result]
     assert len(taken) == len(loader) and set(ids_of([{"id": t} for t in taken]).values()) == {2}
 
 
@@ -442,6 +425,54 @@ def test_torch_output_shares_the_native_batch_memory(seed):
     assert {batch["payload"].data_ptr(), batch["id"].data_ptr()} == native[-1], "no copy"
     checked_ids({name: tensor.numpy() for name, tensor in batch.items()})
     loader.close()
+
+
+@pytest.mark.parametrize("echo", [1, 2, 2.5, "auto"])
+def test_batch_echo_keeps_the_short_batch_last(echo, seed):
+    # 4 full batches of 8 and one of 1: as with DataLoader, the short one (and
+    # its repeats) come after every full batch, whatever the echo factor.
+    for epoch_seed in range(seed, seed + 8):
+        loader = dataecho.EchoLoader(Records(33), batch_size=8, echo_factor=echo, echo_at="batch",
+                                     shuffle_buffer=4, seed=epoch_seed)
+        sizes = [len(b["id"]) for b in loader]
+        full = sizes.count(8)
+        assert sizes == [8] * full + [1] * (len(sizes) - full), sizes
+        assert 1 in sizes
+
+
+@pytest.mark.parametrize("output", ["torch", "numpy"])
+def test_batch_echo_repeats_survive_in_place_changes(output, seed):
+    # A loop that normalises its batch in place (batch.sub_(mean)) must not change
+    # the later deliveries of that batch: torch tensors get their own memory for
+    # every delivery but the last; NumPy arrays are read-only views.
+    if output == "torch":
+        pytest.importorskip("torch")
+    loader = dataecho.EchoLoader(Records(640), batch_size=32, echo_factor=3, echo_at="batch", shuffle_buffer=4,
+                                 output=output, seed=seed)
+    seen = Counter()
+    for batch in loader:
+        ids = np.asarray(batch["id"])
+        np.testing.assert_array_equal(np.asarray(batch["payload"]), payload_of(ids), "a delivery arrived changed")
+        seen.update(ids.tolist())
+        if output == "torch":
+            batch["payload"].zero_()
+            batch["id"].add_(1_000_000)
+        else:
+            with pytest.raises(ValueError, match="read-only"):
+                batch["payload"][:] = 0
+    assert sorted(seen) == list(range(640)) and set(seen.values()) == {3}
+
+
+def test_batch_echo_copies_outlive_the_epoch_unchanged(seed):
+    # The copies come from the echo buffer's batch pool: a block is reused only
+    # once no tensor of it is alive, however long the loop keeps them.
+    pytest.importorskip("torch")
+    loader = dataecho.EchoLoader(Records(640), batch_size=32, echo_factor=3, echo_at="batch", shuffle_buffer=4,
+                                 output="torch", seed=seed)
+    kept = list(loader)
+    for batch in kept:
+        np.testing.assert_array_equal(batch["payload"].numpy(), payload_of(batch["id"].numpy()))
+    assert len(kept) == len(loader) == 60
 
 
 def test_device_cpu_path_delivers_every_batch_in_order(seed):

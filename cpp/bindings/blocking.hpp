@@ -77,4 +77,20 @@ Status call_blocking(Call&& call, std::optional<double> timeout_s) {
   }
 }
 
+// Runs `work` (no Python in it, not blocking: a large copy, say) without the
+// GIL, with the same care at interpreter shutdown as call_blocking.
+template <class Work>
+void without_gil(Work&& work) {
+  std::exception_ptr error;
+  PyThreadState* thread_state = PyEval_SaveThread();
+  try {
+    work();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  if (interpreter_finalizing()) park_forever();
+  PyEval_RestoreThread(thread_state);
+  if (error) std::rethrow_exception(error);
+}
+
 }  // namespace dataecho::py_binding

@@ -8,6 +8,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -56,15 +57,22 @@ class PyBuffer {
     const Status status = call_blocking([&](Deadline d) { return core.next(batch, d); }, timeout_s);
     if (status != Status::kOk) return {status_object(status), py::none()};
     last_seqs_ = std::move(batch.seqs);
-    py::object owner = py::cast(batch.lease);
+    return {status_object(status), batch_arrays(batch.lease, batch.rows)};
+  }
+
+  // A copy of `arrays` (a list: one C-contiguous array per field, `rows` of
+  // them) in a block of this buffer's batch pool, as arrays like next()'s.
+  py::tuple copy_batch(py::handle arrays, std::size_t rows) {
+    ShuffleBuffer& core = live();
+    if (rows == 0 || rows > core.layout().batch_size()) throw py::value_error("rows: out of range");
+    const auto pointers = field_pointers(specs_, arrays, rows);
+    std::shared_ptr<BatchPool::Lease> lease = core.lease_batch();
     const ExampleLayout& layout = core.layout();
-    py::tuple arrays(specs_.size());
-    for (std::size_t f = 0; f < specs_.size(); ++f) {
-      std::vector<py::ssize_t> shape{static_cast<py::ssize_t>(batch.rows)};
-      shape.insert(shape.end(), specs_[f].shape.begin(), specs_[f].shape.end());
-      arrays[f] = py::array(specs_[f].dtype, shape, batch.lease->data() + layout.batch_offset(f), owner);
-    }
-    return {status_object(status), std::move(arrays)};
+    without_gil([&] {
+      for (std::size_t f = 0; f < specs_.size(); ++f)
+        std::memcpy(lease->data() + layout.batch_offset(f), pointers[f], rows * specs_[f].bytes);
+    });
+    return batch_arrays(lease, rows);
   }
 
   // Deterministic buffers: the rows' sequence numbers of the batch next() returned last.
@@ -111,6 +119,20 @@ class PyBuffer {
   void abandon_after_fork() noexcept { (void)core_.release(); }
 
  private:
+  // One array per field over the batch block of `lease`, whose Python owner is
+  // every array's base: the block returns to the pool when the last one dies.
+  py::tuple batch_arrays(const std::shared_ptr<BatchPool::Lease>& lease, std::size_t rows) const {
+    py::object owner = py::cast(lease);
+    const ExampleLayout& layout = live().layout();
+    py::tuple arrays(specs_.size());
+    for (std::size_t f = 0; f < specs_.size(); ++f) {
+      std::vector<py::ssize_t> shape{static_cast<py::ssize_t>(rows)};
+      shape.insert(shape.end(), specs_[f].shape.begin(), specs_[f].shape.end());
+      arrays[f] = py::array(specs_[f].dtype, shape, lease->data() + layout.batch_offset(f), owner);
+    }
+    return arrays;
+  }
+
   // Releases a block's owner. Blocks die with the pool, normally under the GIL
   // (a batch's arrays or the buffer being deallocated); at interpreter exit the
   // reference is left alone rather than touch a finalizing interpreter.
@@ -145,6 +167,7 @@ void register_buffer(py::module_& m) {
            py::arg("first_seq") = 0)
       .def("next", &PyBuffer::next, py::arg("timeout_s"))
       .def_property_readonly("last_seqs", &PyBuffer::last_seqs)
+      .def("copy_batch", &PyBuffer::copy_batch, py::arg("arrays"), py::arg("rows"))
       .def("snapshot", &PyBuffer::snapshot, py::arg("timeout_s"))
       .def("close", [](PyBuffer& b) { b.core().close(); })
       .def("stop", [](PyBuffer& b) { b.core().stop(); })  // quick: flags and wake-ups only

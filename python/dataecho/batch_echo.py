@@ -1,10 +1,14 @@
 """Batch echoing: each upstream batch is yielded about ``e`` times, its repeats
 spread out through a small shuffle buffer of batches so that they are not
-consecutive.
+consecutive. A short batch (the epoch's last, without ``drop_last``) and its
+repeats come after every full batch, as ``DataLoader`` yields it last: a batch
+of one mid-epoch would upset batch norm and static shapes.
 
-Repeats share memory (no copy), so a batch that will be yielded more than once
-is yielded as read-only views: an in-place change by the consumer cannot
-corrupt a later repeat.
+A batch yielded more than once must not let an in-place change by the
+consumer reach a later delivery. With NumPy output its deliveries share memory
+as read-only views (a write raises). torch has no read-only tensors, so with
+``copy_repeats`` every delivery but the last is a copy, and the last gets the
+original memory: each tensor yielded can be modified in place.
 
 With exact echo counts the stage's state names its resident batches by their
 rows, with their remaining deliveries, and the generator's state: a resumed
@@ -39,6 +43,7 @@ class BatchEchoStage:
     Args:
         upstream: the stage whose batches are echoed.
         resident: batches held at once.
+        batch_size: rows of a full batch.
         echo_factor: mean deliveries per batch (``floor(e)`` or ``floor(e) + 1``),
             or None for "auto": a batch is repeated only when no fresh one is
             ready, at most about ``max_echo`` times in all.
@@ -48,17 +53,23 @@ class BatchEchoStage:
             floor(n * f) of the first n batches get the extra delivery) instead
             of at random, so that the number of deliveries is known in advance;
             the stage can then be checkpointed.
+        copy_repeats: copies a batch's arrays, or None: deliver copies (and the
+            original last) instead of read-only views of one batch (for torch
+            output, see above).
         resume: this stage's state from a checkpoint, or None.
         read_batch: reads a batch again from its rows (for ``resume``).
     """
 
     name = "batch_echo"
 
-    def __init__(self, upstream: Stage, resident: int, echo_factor: float | None, max_echo: float, seed: int,
-                 exact: bool = False, resume: dict[str, Any] | None = None,
-                 read_batch: Callable[[dict[str, np.ndarray]], Batch] | None = None) -> None:
+    def __init__(self, upstream: Stage, resident: int, batch_size: int, echo_factor: float | None,
+                 max_echo: float, seed: int, exact: bool = False, resume: dict[str, Any] | None = None,
+                 read_batch: Callable[[dict[str, np.ndarray]], Batch] | None = None,
+                 copy_repeats: Callable[[tuple], tuple] | None = None) -> None:
         self._upstream = upstream
+        self._copy_repeats = copy_repeats
         self._resident = resident
+        self._batch_size = batch_size
         self._echo = echo_factor
         self._max_echo = max_echo
         self._rng = np.random.default_rng(seed)
@@ -80,7 +91,16 @@ class BatchEchoStage:
             self._entries.remove(entry)
         self._last = entry
         self.delivered_batches += 1
-        return entry.batch
+        return self._delivery(entry)
+
+    def _delivery(self, entry: _Entry) -> Batch:
+        """What one delivery of `entry` hands on: the batch itself when it is
+        delivered once; else read-only views, or copies but for the last."""
+        batch = entry.batch
+        copy = self._copy_repeats
+        if entry.deliveries == 1 or (copy is not None and entry.left == 0):
+            return batch
+        return Batch(batch.structure, copy(batch.arrays) if copy is not None else read_only(batch.arrays), batch.rows)
 
     def stop(self) -> None:
         pass  # no threads: the upstream's stop ends it
@@ -106,8 +126,6 @@ class BatchEchoStage:
     def _restore(self, state: dict[str, Any], read_batch: Callable[[dict[str, np.ndarray]], Batch]) -> None:
         for saved in state["entries"]:
             batch = read_batch({"rows": saved["rows"]})
-            if saved["deliveries"] > 1:
-                batch = Batch(batch.structure, read_only(batch.arrays), batch.rows)
             self._entries.append(_Entry(batch, saved["left"], saved["deliveries"]))
         self._last = self._entries[state["last"]] if state["last"] >= 0 else None
         self.fresh_batches = state["fresh_batches"]
@@ -138,7 +156,7 @@ class BatchEchoStage:
         if self._upstream_done:
             # The input is over: no more repeats, as for example echoing.
             raise StopIteration
-        if any(e.left > 0 for e in self._entries):
+        if any(e.left > 0 and self._full(e) for e in self._entries):
             return self._pick(lambda e: e.left > 0)  # the consumer would wait: repeat
         return self._pull(timeout=None)
 
@@ -155,21 +173,23 @@ class BatchEchoStage:
             return self._entries[0]  # fixed: drain what is resident
         self.fresh_batches += 1
         deliveries = self._draw_count(self._echo if self._echo is not None else self._max_echo)
-        if deliveries > 1:
-            batch = Batch(batch.structure, read_only(batch.arrays), batch.rows)
         entry = _Entry(batch, deliveries, deliveries)
         if len(self._entries) >= self._resident:
             self._entries.pop(0)  # auto only: the oldest gives way
         self._entries.append(entry)
         return entry
 
+    def _full(self, entry: _Entry) -> bool:
+        return len(entry.batch) == self._batch_size
+
     def _pick(self, eligible: Callable[[_Entry], bool]) -> _Entry:
         """A resident batch other than the last one yielded, chosen with odds
         proportional to its remaining deliveries: a uniform draw over the
-        pending deliveries, which also empties the buffer evenly at the end."""
-        choices = [e for e in self._entries if eligible(e) and e is not self._last]
-        if not choices:
-            choices = [e for e in self._entries if eligible(e)]
+        pending deliveries, which also empties the buffer evenly at the end.
+        A full batch is chosen while there is one: short batches go last."""
+        pool = [e for e in self._entries if eligible(e)]
+        pool = [e for e in pool if self._full(e)] or pool
+        choices = [e for e in pool if e is not self._last] or pool
         weights = np.array([e.left for e in choices], dtype=np.float64)
         return choices[int(self._rng.choice(len(choices), p=weights / weights.sum()))]
 

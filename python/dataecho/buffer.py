@@ -137,6 +137,12 @@ class NativeBuffer:
             raise StopIteration
         raise TimeoutError(f"next_batch(): no batch within {timeout_s} s")
 
+    def copy_batch(self, arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+        """A copy of a batch of this buffer's fields, in a block of its batch pool
+        (reused once no array of it is alive: no fresh pages to fault in)."""
+        self.check_process()
+        return self._core.copy_batch(list(arrays), len(arrays[0]))
+
     @property
     def last_seqs(self) -> np.ndarray:
         """Deterministic buffers: each row's sequence number, for the last batch."""

@@ -111,9 +111,13 @@ def _build(chain: Chain, config: LoaderConfig, structure: Structure, source: Epo
         last = _add(chain, Replay("intake_replay", last, _after(states, "intake_replay", "intake"), read_batch))
     if config.echo_at == "batch":
         echo = None if config.echo_factor == "auto" else float(config.echo_factor)
-        last = _add(chain, BatchEchoStage(last, config.shuffle_buffer, echo, config.max_echo, source.seeds[1],
-                                          exact=config.exact_echo, resume=states.get("batch_echo"),
-                                          read_batch=read_batch))
+        # torch has no read-only tensors: where its tensors view the batch memory
+        # (no augment, no device copy), a repeat is delivered from its own memory.
+        copy = intake.copy_arrays if config.output == "torch" and config.augment is None and config.device is None \
+            else None
+        last = _add(chain, BatchEchoStage(last, config.shuffle_buffer, config.batch_size, echo, config.max_echo,
+                                          source.seeds[1], exact=config.exact_echo, resume=states.get("batch_echo"),
+                                          read_batch=read_batch, copy_repeats=copy))
     if config.augment is not None:
         augment = AugmentStage(last, structure, config, source, chain.failure, on_failure, chain.pull_lock,
                                states.get("augment"), pinned)

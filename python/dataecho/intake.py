@@ -124,6 +124,12 @@ class IntakeStage:
         arrays = self._buffer.next_arrays(timeout_s)
         return Batch(self.structure, arrays, self._buffer.last_seqs if self._exact else None)
 
+    def copy_arrays(self, arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+        """A copy of a batch's arrays, in a recycled block of the echo buffer's batch pool."""
+        if self._buffer is None:  # resumed after the end: only replayed batches are left
+            return tuple(a.copy() for a in arrays)
+        return self._buffer.copy_batch(arrays)
+
     def read_batch(self, ids: dict[str, np.ndarray]) -> Batch:
         """The batch whose rows are at positions ``ids["rows"]``, read again."""
         return Batch(self.structure, self._source.read_rows(self.structure, ids["rows"]), ids["rows"])

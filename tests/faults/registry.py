@@ -8,6 +8,7 @@ from typing import Callable
 
 from faults.close_storm import close_storm
 from faults.closing import close_iter, close_put
+from faults.consumers import second_consumer, stale_iterator
 from faults.ctrl_c import sigint_buffer, sigint_loader, start_interrupted
 from faults.deletion import delete_buffer, delete_loader, put_many_cycle
 from faults.exiting import exit_scenario
@@ -32,6 +33,10 @@ SCENARIOS: dict[str, tuple[Callable[[random.Random, str, int], None], list[str]]
     ),
     "owner_killed": (owner_killed, ["map_in_put", "map_in_user_code", "iterable"]),
     "worker_exit": (worker_exit, ["status0", "status3", "kill"]),
+    "second_consumer": (
+        second_consumer, ["thread_example", "thread_batch", "process_example", "process_batch"],
+    ),
+    "stale_iterator": (stale_iterator, ["thread", "process", "zip"]),
     "close_put": (close_put, ["put", "put_timeout", "put_many", "consume_first"]),
     "close_iter": (close_iter, ["empty", "below_initial", "drained", "next_timeout"]),
     "close_storm": (close_storm, ["put", "put_many", "mixed"]),

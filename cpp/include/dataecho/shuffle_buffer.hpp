@@ -209,6 +209,11 @@ class ShuffleBuffer {
   // (or dropped), which is how tests prove that no slot leaked.
   std::size_t free_slots() const noexcept { return region_.free->size_approx(); }
 
+  // A block of the batch pool, for a copy of a batch (a repeat a consumer may
+  // change in place): blocks come back when their last owner lets go, so
+  // copies reuse memory instead of faulting in fresh pages.
+  std::shared_ptr<BatchPool::Lease> lease_batch() { return pool_->lease(); }
+
   // Supplies batch memory from outside (page-locked, say); used before any the
   // pool would allocate. At least layout().batch_bytes() bytes, 64-byte aligned.
   void adopt_batch_memory(Block block) { pool_->adopt(std::move(block)); }
