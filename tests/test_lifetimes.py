@@ -4,6 +4,7 @@ that stays valid and unchanged while any array of it is alive."""
 from __future__ import annotations
 
 import gc
+import os
 
 import numpy as np
 from support import (
@@ -14,6 +15,7 @@ from support import (
     join_producers,
     payload_of,
     slot_stride,
+    start,
     start_producers,
 )
 
@@ -89,6 +91,40 @@ def test_released_batches_are_recycled(seed):
     # prefetch queued + one being assembled + one held by the consumer, with
     # slack for the consumer's previous batch not yet collected.
     assert batch_blocks_allocated(buf) <= 2 + 1 + 2
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_memory_of_batches_once_kept_goes_back_to_the_system(seed):
+    # 1 MiB batches (64 examples of 16 KiB): hold 300 at once, let them go, and
+    # take 600 more; the pool keeps prefetch + 2 free blocks, not 300.
+    rows, held, after = 64, 300, 600
+    buf = dataecho.ShuffleBuffer(((16384,), "uint8"), capacity=256, batch_size=rows, prefetch=2, seed=seed)
+    chunk = np.ones((rows, 16384), np.uint8)
+
+    def produce() -> None:
+        try:
+            for _ in range(held + after):
+                buf.put_many(chunk)
+        finally:
+            buf.close()
+
+    producer = start(produce, "producer")
+    batches = iter(buf)
+    kept = [next(batches) for _ in range(held)]
+    assert batch_blocks_allocated(buf) >= held
+    holding = _resident_bytes()
+    del kept
+    gc.collect()
+    delivered = held + sum(1 for _ in batches)
+    join_producers([producer])
+    assert delivered == held + after
+    assert batch_blocks_allocated(buf) <= 2 + 2, "free blocks above the pool's bound were kept"
+    given_back = holding - _resident_bytes()
+    assert given_back >= 0.8 * held * rows * 16384, f"only {given_back >> 20} MiB given back"
 
 
 def test_batches_outlive_the_buffer(seed):

@@ -20,6 +20,7 @@ NATIVE_TESTS = [
     "ring_basic",
     "ring_blocking",
     "ring_stress",
+    "batch_pool",
     "buffer_accounting",
     "buffer_fractional_drop_last",
     "buffer_deterministic",

@@ -4,7 +4,9 @@
 // the pool only when the last owner of the lease lets go (in Python: when no
 // array viewing it is alive), so memory a consumer can see is never reused. If
 // consumers keep batches, the pool allocates more blocks instead of waiting or
-// overwriting: memory use is bounded by prefetch + 1 + batches kept alive.
+// overwriting. Of the blocks given back it keeps at most `keep_free` for reuse
+// and frees the rest, so memory use is bounded by keep_free + the batches alive
+// now, not by the most ever alive at once.
 #pragma once
 
 #include <cstddef>
@@ -22,8 +24,8 @@ class BatchPool : public std::enable_shared_from_this<BatchPool> {
  public:
   class Lease;
 
-  static std::shared_ptr<BatchPool> create(std::size_t block_bytes, std::size_t align) {
-    return std::shared_ptr<BatchPool>(new BatchPool(block_bytes, align));
+  static std::shared_ptr<BatchPool> create(std::size_t block_bytes, std::size_t align, std::size_t keep_free) {
+    return std::shared_ptr<BatchPool>(new BatchPool(block_bytes, align, keep_free));
   }
 
   // Adds a block supplied from outside (page-locked memory, say) of at least
@@ -61,8 +63,8 @@ class BatchPool : public std::enable_shared_from_this<BatchPool> {
     return std::shared_ptr<Lease>(new Lease(shared_from_this(), std::move(block), adopted));
   }
 
-  // Blocks ever allocated (adopted ones not counted); a steady value means
-  // consumers release what they take.
+  // Blocks allocated and not yet freed, leased or free (adopted ones not
+  // counted); a steady value means consumers release what they take.
   std::size_t allocated() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return allocated_;
@@ -91,7 +93,8 @@ class BatchPool : public std::enable_shared_from_this<BatchPool> {
   };
 
  private:
-  BatchPool(std::size_t block_bytes, std::size_t align) : block_bytes_(block_bytes), align_(align) {}
+  BatchPool(std::size_t block_bytes, std::size_t align, std::size_t keep_free)
+      : block_bytes_(block_bytes), align_(align), keep_free_(keep_free) {}
 
   void give_back(Block block, bool adopted) noexcept {
     // In a forked child the mutex may have been copied locked by a thread that no
@@ -101,13 +104,24 @@ class BatchPool : public std::enable_shared_from_this<BatchPool> {
       return;
     }
     poison(block.data(), block.size());
-    std::lock_guard<std::mutex> lock(mutex_);
-    // Capacity reserved in lease() and adopt(): neither push can throw.
-    (adopted ? adopted_free_ : free_).push_back(std::move(block));
+    Block surplus;  // freed after the lock is released
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      // Capacity reserved in lease() and adopt(): neither push can throw.
+      if (adopted) {
+        adopted_free_.push_back(std::move(block));
+      } else if (free_.size() < keep_free_) {
+        free_.push_back(std::move(block));
+      } else {
+        surplus = std::move(block);
+        --allocated_;
+      }
+    }
   }
 
   const std::size_t block_bytes_;
   const std::size_t align_;
+  const std::size_t keep_free_;
   const pid_t owner_pid_ = getpid();
   mutable std::mutex mutex_;
   std::vector<Block> free_;

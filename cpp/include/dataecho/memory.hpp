@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -10,6 +11,7 @@
 
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <unistd.h>
 #endif
 
 #include "dataecho/config.hpp"
@@ -27,6 +29,11 @@ class Block {
 
   Block() = default;
 
+  // Blocks from this size on are mapped from the kernel directly, so that
+  // freeing one gives its pages back at once (the allocator would keep them
+  // for reuse, and a pool that shrinks would not shrink the process).
+  static constexpr std::size_t kMapFrom = std::size_t{256} << 10;
+
   static Block allocate(std::size_t size, std::size_t align) {
     // Large blocks (an arena, a batch of big examples) are placed on 2 MiB
     // boundaries and offered transparent huge pages, as NumPy does for its own
@@ -34,12 +41,12 @@ class Block {
     // noticeable share of their time on TLB misses.
     const bool huge = size >= kHugePageFrom;
     if (huge && align < kHugePage) align = kHugePage;
+#if defined(__linux__)
+    if (size >= kMapFrom) return map(size, align, huge);
+#endif
     const std::size_t rounded = round_up(size == 0 ? 1 : size, align);
     void* p = std::aligned_alloc(align, rounded);
     if (p == nullptr) throw std::bad_alloc();
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    if (huge) (void)madvise(p, rounded, MADV_HUGEPAGE);  // advice only: failure is harmless
-#endif
     return Block(static_cast<std::byte*>(p), size, [](void* q) noexcept { std::free(q); }, p);
   }
 
@@ -56,6 +63,7 @@ class Block {
       size_ = std::exchange(other.size_, 0);
       release_ = std::exchange(other.release_, nullptr);
       context_ = std::exchange(other.context_, nullptr);
+      mapped_ = std::exchange(other.mapped_, 0);
     }
     return *this;
   }
@@ -70,17 +78,49 @@ class Block {
   std::byte* release_unowned() noexcept {
     release_ = nullptr;
     context_ = nullptr;
+    mapped_ = 0;
     size_ = 0;
     return std::exchange(data_, nullptr);
   }
   std::size_t size() const noexcept { return size_; }
 
  private:
+#if defined(__linux__)
+  // An anonymous private mapping of `size` bytes at an `align` boundary: map
+  // align - page more than needed, then unmap the unaligned head and the tail.
+  static Block map(std::size_t size, std::size_t align, bool huge) {
+    const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+    if (align < page) align = page;
+    const std::size_t length = round_up(size, page);
+    const std::size_t reserved = length + align - page;
+    void* p = mmap(nullptr, reserved, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    const auto start = reinterpret_cast<std::uintptr_t>(p);
+    const std::uintptr_t aligned = round_up(start, align);
+    if (aligned > start) (void)munmap(p, aligned - start);
+    const std::size_t tail = reserved - (aligned - start) - length;
+    if (tail > 0) (void)munmap(reinterpret_cast<void*>(aligned + length), tail);
+    auto* data = reinterpret_cast<std::byte*>(aligned);
+#if defined(MADV_HUGEPAGE)
+    if (huge) (void)madvise(data, length, MADV_HUGEPAGE);  // advice only: failure is harmless
+#else
+    (void)huge;
+#endif
+    Block block(data, size, nullptr, nullptr);
+    block.mapped_ = length;
+    return block;
+  }
+#endif
+
   Block(std::byte* data, std::size_t size, Release release, void* context) noexcept
       : data_(data), size_(size), release_(release), context_(context) {}
 
   void reset() noexcept {
     if (release_ != nullptr) release_(context_);
+#if defined(__linux__)
+    if (mapped_ != 0) (void)munmap(data_, mapped_);
+#endif
+    mapped_ = 0;
     data_ = nullptr;
     size_ = 0;
     release_ = nullptr;
@@ -91,6 +131,7 @@ class Block {
   std::size_t size_ = 0;
   Release release_ = nullptr;
   void* context_ = nullptr;
+  std::size_t mapped_ = 0;  // bytes mapped at data_ (0: not a mapping of ours)
 };
 
 // Debug builds (-DDATAECHO_POISON=1) fill recycled memory with this byte so that a

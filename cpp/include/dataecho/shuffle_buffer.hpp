@@ -75,7 +75,9 @@ class ShuffleBuffer {
         config_(validated(config)),
         region_(make_region()),
         producer_(layout_, region_),
-        pool_(BatchPool::create(layout_.batch_bytes(), layout_.batch_align())),
+        // The ready queue, the batch being assembled and one being handed over:
+        // what a steady consumer cycles through, kept for reuse.
+        pool_(BatchPool::create(layout_.batch_bytes(), layout_.batch_align(), config_.prefetch + 2)),
         ready_(config_.prefetch, config_.auto_echo ? &region_.committed->not_empty() : nullptr),
         assembler_(config_, layout_, region_, *pool_, ready_, stop_, desk_) {
     DATAECHO_CHECK(layout_.batch_size() == config_.batch_size);
