@@ -56,6 +56,9 @@ class BatchPool : public std::enable_shared_from_this<BatchPool> {
     }
     if (block.data() == nullptr) {
       block = Block::allocate(block_bytes_, align_);
+      // Debug builds: fresh blocks read as poison too, like recycled ones (a
+      // freed block's address may come back as a new one).
+      poison(block.data(), block.size());
       std::lock_guard<std::mutex> lock(mutex_);
       free_.reserve(allocated_ + 1);  // so that give_back never reallocates
       ++allocated_;
