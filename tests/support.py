@@ -221,6 +221,22 @@ def suicide_at_500(example: dict[str, Any]) -> dict[str, Any]:
     return example
 
 
+WORKER_MARK = -1  # set by mark_worker in a worker process
+
+
+def mark_worker(worker_id: int) -> None:
+    """A worker_init_fn: marks this process as worker `worker_id`."""
+    global WORKER_MARK
+    WORKER_MARK = worker_id
+
+
+class MarkedRecords(Records):
+    """Records whose examples carry the mark mark_worker left in the reading process."""
+
+    def __getitem__(self, i: int) -> Any:
+        return {**super().__getitem__(i), "mark": np.int64(WORKER_MARK)}
+
+
 class Stall:
     """A transform that sleeps `seconds` on every example read in a worker process
     (not in the loader's own process, which reads one to learn the structure)."""

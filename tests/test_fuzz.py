@@ -1059,14 +1059,16 @@ def invalid_loader_arguments(kw: dict) -> tuple[set, set]:
     held = 4 if kw.get("augment") is not None else 2 if echo_at == "batch" else 1
     if "batch_size" not in bad and operator.index(batch) * held > 2**31:
         bad.add("batch_size")
-    if not valid_positive_int(kw.get("workers", 2), 1024):
+    # None stands for the default where DataLoader's names may give the value instead.
+    workers = kw.get("workers")
+    if workers is not None and not (valid_positive_int(workers, 1024) or _int_like(workers) == 0):
         bad.add("workers")
     for name in ("shuffle", "drop_last", "pin_memory"):
-        if not isinstance(kw.get(name, False), bool):
+        if not isinstance(kw.get(name, False), bool) and not (name == "shuffle" and kw[name] is None):
             bad.add(name)
     if not valid_seed(kw.get("seed")):
         bad.add("seed")
-    if not valid_positive_int(kw.get("prefetch", 2), 1 << 16):
+    if kw.get("prefetch") is not None and not valid_positive_int(kw["prefetch"], 1 << 16):
         bad.add("prefetch")
     if not valid_real(kw.get("max_echo", 4.0)):
         bad.add("max_echo")
@@ -1076,10 +1078,12 @@ def invalid_loader_arguments(kw: dict) -> tuple[set, set]:
         unsure.add("pin_memory")  # needs CUDA
     if kw.get("device") is not None:
         unsure.add("device")
-    worker_type = kw.get("worker_type", "thread")
+    worker_type = kw.get("worker_type") or "thread"
     if not _choice(worker_type, ("thread", "process")):
         bad.add("worker_type")
     elif worker_type == "process":
+        if workers is not None and _int_like(workers) == 0:
+            bad.add("workers")  # 0 reads in the calling thread
         method = kw.get("start_method")
         if method is not None and not _choice(method, ("spawn", "forkserver")):
             bad.add("start_method")
@@ -1148,12 +1152,12 @@ def test_echo_loader_takes_any_arguments(arguments, epochs):
         batch, buffer = kw.get("batch_size", 256), kw.get("shuffle_buffer") or 0
         echo = kw.get("echo_factor", 2.0)
         runnable = (
-            kw.get("worker_type", "thread") == "thread"
+            (kw.get("worker_type") or "thread") == "thread"
             and not kw.get("pin_memory", False)
             and kw.get("device") in (None, "cpu")
             and operator.index(batch) <= 64
             and buffer <= 4096
-            and operator.index(kw.get("workers", 2)) <= 4
+            and operator.index(kw.get("workers") or 2) <= 4
             and (echo == "auto" and float(kw.get("max_echo", 4.0)) <= 4 or echo != "auto" and float(echo) <= 4)
         )
         if not runnable:

@@ -484,14 +484,22 @@ def test_device_cpu_path_delivers_every_batch_in_order(seed):
     assert sorted(seen) == list(range(320)) and set(seen.values()) == {2}
 
 
-def test_pin_memory_and_cuda_without_cuda_fail_clearly():
+def test_without_cuda_pin_memory_warns_and_goes_on_and_devices_are_checked_when_built():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
-    with pytest.raises(RuntimeError, match="pin_memory=True needs CUDA"):
-        dataecho.EchoLoader(range(10), pin_memory=True)
+    # As torch's DataLoader: a warning, and unpinned batches.
+    with pytest.warns(UserWarning, match="pin_memory=True, but CUDA is not available"):
+        loader = dataecho.EchoLoader(Records(40), batch_size=8, echo_factor=1, pin_memory=True, output="torch")
+    assert not loader.pin_memory
+    assert sum(len(b["id"]) for b in loader) == 40
     with pytest.raises(RuntimeError, match="needs CUDA"):
         dataecho.EchoLoader(range(10), device="cuda")
+    for device in ("mps", "meta", "xpu"):  # refused when built, not at the first batch
+        with pytest.raises(ValueError, match="device: expected a 'cpu' or 'cuda' device"):
+            dataecho.EchoLoader(range(10), device=device)
+    with pytest.raises(ValueError, match="pin_memory_device"):
+        dataecho.EchoLoader(range(10), pin_memory_device="mps")
 
 
 @pytest.mark.skipif(
@@ -525,7 +533,28 @@ def test_pinned_batches_reach_the_gpu(seed):
         ({"augment": "flip"}, TypeError, "augment"),
         ({"shuffle_buffer": 0}, ValueError, "shuffle_buffer"),
         ({"shuffle_buffer": 10, "batch_size": 64}, ValueError, "shuffle_buffer"),
-        ({"workers": 0}, ValueError, "workers"),
+        ({"workers": -1}, ValueError, "workers"),
+        ({"workers": 0, "worker_type": "process"}, ValueError, "workers"),
+        ({"num_workers": 1.5}, TypeError, "num_workers"),
+        ({"workers": 2, "num_workers": 2}, TypeError, "workers and num_workers"),
+        ({"source": None}, TypeError, "source"),
+        ({"dataset": range(3)}, TypeError, "source and dataset"),
+        ({"batch_sampler": [[0, 1]]}, ValueError, "batch_sampler"),
+        ({"sampler": [0, 1], "shuffle": True}, ValueError, "sampler"),
+        ({"sampler": 3}, TypeError, "sampler"),
+        ({"source": iter(range(3)), "sampler": [0]}, ValueError, "sampler"),
+        ({"collate_fn": "stack"}, TypeError, "collate_fn"),
+        ({"worker_init_fn": 1}, TypeError, "worker_init_fn"),
+        ({"prefetch_factor": 0}, ValueError, "prefetch_factor"),
+        ({"prefetch_factor": 2, "prefetch": 2}, TypeError, "prefetch and prefetch_factor"),
+        ({"prefetch_factor": 2, "num_workers": 0}, ValueError, "prefetch_factor"),
+        ({"generator": 5}, TypeError, "generator"),
+        ({"timeout": -1}, ValueError, "timeout"),
+        ({"timeout": "1s"}, TypeError, "timeout"),
+        ({"multiprocessing_context": "spawn", "num_workers": 0}, ValueError, "multiprocessing_context"),
+        ({"multiprocessing_context": "spawn", "worker_type": "thread"}, ValueError, "multiprocessing_context"),
+        ({"multiprocessing_context": 3}, TypeError, "multiprocessing_context"),
+        ({"pin_memory_device": 0}, TypeError, "pin_memory_device"),
         ({"shuffle": "yes"}, TypeError, "shuffle"),
         ({"seed": -3}, ValueError, "seed"),
         ({"prefetch": 0}, ValueError, "prefetch"),

@@ -81,6 +81,7 @@ class WorkerSpec:
     seed: int
     map_style: bool
     order: Any  # map-style: the rank's reading order (dataset index per position)
+    worker_init_fn: Any = None  # called with worker_id once, before reading
 
 
 def main(spec: WorkerSpec, conn: Any, lifeline: Any) -> None:
@@ -105,6 +106,8 @@ def main(spec: WorkerSpec, conn: Any, lifeline: Any) -> None:
     meter = _Meter(producer, spec.worker_id)
     orphaned = lambda: os.getppid() != parent  # noqa: E731
     try:
+        if spec.worker_init_fn is not None:
+            spec.worker_init_fn(spec.worker_id)
         if spec.map_style:
             # A claimed position is also the example's sequence number.
             while (position := producer.claim_index()) >= 0:

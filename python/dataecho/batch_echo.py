@@ -85,7 +85,7 @@ class BatchEchoStage:
 
     def next(self, timeout_s: float | None = None) -> Batch:
         """The next batch to yield; StopIteration at the end."""
-        entry = self._next_auto() if self._echo is None else self._next_fixed()
+        entry = self._next_auto() if self._echo is None else self._next_fixed(timeout_s)
         entry.left -= 1
         if entry.left == 0:
             self._entries.remove(entry)
@@ -135,12 +135,12 @@ class BatchEchoStage:
 
     # ---- fixed factor ----
 
-    def _next_fixed(self) -> _Entry:
+    def _next_fixed(self, timeout_s: float | None) -> _Entry:
         # Hold at least two batches as soon as possible, so that a repeat never
         # follows its original; then grow by one per delivery up to `resident`.
         target = min(self._resident, 2 + self.delivered_batches)
         while not self._upstream_done and len(self._entries) < target:
-            self._pull(timeout=None)
+            self._pull(timeout=timeout_s)
         if not self._entries:
             raise StopIteration
         return self._pick(lambda e: True)

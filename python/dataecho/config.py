@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import _checks, _core
+from .dataloader_args import resolve
 from .distributed import Shard, resolve_shard
 from .process_producers import check_picklable, default_start_method
 from .ray_source import RayRows, is_ray_data
@@ -56,6 +57,10 @@ class LoaderConfig:
     start_method: str | None
     deterministic: bool
     shard: Shard
+    sampler: Any = None
+    collate_fn: Callable[[list], Any] | None = None
+    worker_init_fn: Callable[[int], None] | None = None
+    timeout: float | None = None
 
     @property
     def map_style(self) -> bool:
@@ -80,6 +85,7 @@ class LoaderConfig:
             "rank": self.shard.rank,
             "world_size": self.shard.world_size,
             "length": len(self.source) if self.map_style else None,
+            "sampler": None if self.sampler is None else type(self.sampler).__name__,
             "batch_size": self.batch_size,
             "echo_factor": self.echo_factor,
             "echo_at": self.echo_at,
@@ -92,16 +98,17 @@ class LoaderConfig:
         }
 
 
-def loader_config(source: Any, **arguments: Any) -> LoaderConfig:
-    """Validates ``EchoLoader``'s arguments (its keywords, by name).
+def loader_config(**arguments: Any) -> LoaderConfig:
+    """Validates ``EchoLoader``'s arguments (its keywords, by name; DataLoader's
+    names are resolved first, see dataecho.dataloader_args).
 
     Raises:
         TypeError, ValueError: a bad argument, named in the message.
-        RuntimeError: ``pin_memory`` or a CUDA ``device`` without CUDA.
+        RuntimeError: a ``device`` that is not available here.
     """
-    a = arguments
+    a = resolve(arguments)
     worker_type = _checks.choice("worker_type", a["worker_type"], ("thread", "process"))
-    source = _check_source(source, worker_type)
+    source = _check_source(a["source"], worker_type)
     batch_size = _checks.positive_int("batch_size", a["batch_size"])
     echo_at = _checks.choice("echo_at", a["echo_at"], ("example", "batch"))
     for name in ("transform", "augment"):
@@ -114,18 +121,22 @@ def loader_config(source: Any, **arguments: Any) -> LoaderConfig:
     # Ranks must agree on the epoch's permutation: a common seed.
     seed = _checks.seed(0 if a["seed"] is None and shard.world_size > 1 else a["seed"])
     echo_factor = _check_echo(a["echo_factor"], deterministic, shard)
-    pin_memory = _checks.flag("pin_memory", a["pin_memory"])
+    sampler, shuffle = _check_sampler(a["sampler"], a["shuffle"], source)
     config = LoaderConfig(
         source=source, batch_size=batch_size, echo_factor=echo_factor, echo_at=echo_at,
         transform=a["transform"], augment=a["augment"], shuffle_buffer=shuffle_buffer,
-        workers=_checks.positive_int("workers", a["workers"], 1024), shuffle=_checks.flag("shuffle", a["shuffle"]),
-        seed=seed, drop_last=_checks.flag("drop_last", a["drop_last"]),
+        workers=_check_workers(a["workers"], worker_type), shuffle=shuffle, seed=seed,
+        drop_last=_checks.flag("drop_last", a["drop_last"]),
         prefetch=_checks.positive_int("prefetch", a["prefetch"], 1 << 16),
         max_echo=_checks.real("max_echo", a["max_echo"], 1.0, _core.MAX_ECHO),
-        output=_checks.choice("output", a["output"], ("numpy", "torch")), pin_memory=pin_memory,
-        device=_check_device(a["device"], pin_memory), worker_type=worker_type,
-        start_method=a["start_method"], deterministic=deterministic, shard=shard,
+        output=_checks.choice("output", a["output"], ("numpy", "torch")), pin_memory=a["pin_memory"],
+        device=_check_device(a["device"]), worker_type=worker_type,
+        start_method=a["start_method"], deterministic=deterministic, shard=shard, sampler=sampler,
+        collate_fn=a["collate_fn"], worker_init_fn=a["worker_init_fn"], timeout=a["timeout"],
     )
+    if config.collate_fn is not None and config.device is not None:
+        raise ValueError("collate_fn: its result is yielded as it is, so `device` cannot move it; "
+                         "move the batch in the loop (batch.to(device)), as with DataLoader")
     if worker_type == "process":
         config = _check_processes(config)
     return config
@@ -197,22 +208,47 @@ def _check_echo(value: Any, deterministic: bool, shard: Shard) -> float | str:
     return echo_factor
 
 
-def _check_device(device: Any, pin_memory: bool) -> Any:
-    if device is None and not pin_memory:
+def _check_workers(workers: int, worker_type: str) -> int:
+    if workers > 1024:
+        raise ValueError(f"workers: expected at most 1024, got {workers}")
+    if workers == 0 and worker_type == "process":
+        raise ValueError("workers: 0 reads in the calling thread; worker processes need workers >= 1")
+    return workers
+
+
+def _check_sampler(sampler: Any, shuffle: Any, source: Any) -> tuple[Any, bool]:
+    """(sampler, shuffle): ``shuffle`` defaults to True, or False with a sampler,
+    which decides the order itself (as in DataLoader, the two exclude each other)."""
+    if sampler is None:
+        return None, True if shuffle is None else _checks.flag("shuffle", shuffle)
+    if shuffle:
+        raise ValueError("sampler: decides the order itself, so shuffle=True cannot be given with it "
+                         "(as in DataLoader)")
+    if not is_map_style(source):
+        raise ValueError("sampler: needs a map-style source (__len__ and __getitem__), as in DataLoader")
+    if not isinstance(sampler, Iterable):
+        raise TypeError(f"sampler: expected a torch Sampler or an iterable of indices, got {type(sampler).__name__}")
+    return sampler, False
+
+
+def _check_device(device: Any) -> Any:
+    """A torch device that exists here, checked now rather than at the first batch."""
+    if device is None:
         return None
     from .torch_support import import_torch
 
     torch = import_torch()
-    if pin_memory and not torch.cuda.is_available():
-        raise RuntimeError("pin_memory=True needs CUDA, and torch.cuda.is_available() is False")
-    if device is None:
-        return None
     try:
         device = torch.device(device)
     except (TypeError, ValueError, RuntimeError) as exc:  # ValueError: an index beyond int64
         raise ValueError(f"device: {device!r} is not a torch device ({exc})") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected a 'cpu' or 'cuda' device (batches are copied on CUDA streams), "
+                         f"got {device}; move batches to other devices in the loop")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"device: {device} needs CUDA, and torch.cuda.is_available() is False")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise RuntimeError(f"device: {device}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
 
 
@@ -234,6 +270,7 @@ def _check_processes(config: LoaderConfig) -> LoaderConfig:
         raise ValueError(f"workers: expected at most {_core.MAX_WORKERS} worker processes, got {config.workers}")
     check_picklable("source", config.source)
     check_picklable("transform", config.transform)
+    check_picklable("worker_init_fn", config.worker_init_fn)
     if config.deterministic and not config.map_style:
         raise ValueError(
             "deterministic: worker processes each read their own shard of an iterable, which "

@@ -117,14 +117,27 @@ class Epoch:
     def _next_batch(self) -> Batch:
         if self._closed or not self._chain.stages:
             raise StopIteration
-        return self._chain.stages[-1].next(None)
+        timeout = self._config.timeout
+        try:
+            return self._chain.stages[-1].next(timeout)
+        except TimeoutError:
+            if timeout is None:
+                raise
+            raise RuntimeError(f"EchoLoader timed out after {timeout:g} seconds (timeout={timeout:g}) "
+                               f"waiting for a batch") from None
 
     def _output(self, batch: Batch) -> Any:
+        wrap = None
         if self._config.output == "torch" and self._config.device is None:
             from .torch_support import to_torch
 
-            return batch.structure.unflatten(batch.arrays, wrap=to_torch)
-        return batch.structure.unflatten(batch.arrays)
+            wrap = to_torch
+        if self._config.collate_fn is not None:
+            # Each example as views of its rows of the batch (no copy), in the batch's order.
+            examples = [batch.structure.unflatten([a[i, ...] for a in batch.arrays], wrap=wrap)
+                        for i in range(len(batch))]
+            return self._config.collate_fn(examples)
+        return batch.structure.unflatten(batch.arrays, wrap=wrap)
 
     # ---- checkpoints and counters ----
 

@@ -16,6 +16,7 @@ from . import _core
 from .buffer import NativeBuffer, buffer_config
 from .config import DEFAULT_EXAMPLES, LoaderConfig
 from .fields import parse_fields
+from .inline import InlineReader
 from .process_producers import PROCESS_GRACE_S, ProcessProducers
 from .producers import Producers
 from .source import NOTHING, EpochSource
@@ -51,7 +52,7 @@ class IntakeStage:
         self._exact = config.map_style and config.deterministic
         self._skipped = resume.get("skip", 0) if resume and not config.map_style else 0
         self._buffer: NativeBuffer | None = None
-        self._producers: Producers | ProcessProducers | None = None
+        self._producers: Producers | ProcessProducers | InlineReader | None = None
         if resume is not None and resume.get("ended"):
             return  # nothing more to assemble: only the queued batches, replayed downstream
         self._buffer = NativeBuffer(parse_fields(structure.fields())[0], self._buffer_config(),
@@ -99,7 +100,9 @@ class IntakeStage:
                 self._put_resident(resume["positions"])
         if first is not NOTHING and (config.map_style or config.worker_type == "thread"):
             buffer.put_values(self.structure.flatten(first), seq=0)
-        if config.worker_type == "process":
+        if config.workers == 0:
+            self._producers = InlineReader(buffer, self.structure, source, first_seq=start)
+        elif config.worker_type == "process":
             self._producers = ProcessProducers(buffer, self.structure, source, config, failure, on_failure)
         else:
             self._producers = Producers(buffer, self.structure, source, config, failure, on_failure)
@@ -112,7 +115,7 @@ class IntakeStage:
         if not positions:
             return
         structure, source = self.structure, self._source
-        with ThreadPoolExecutor(max_workers=min(self._config.workers, len(positions))) as pool:
+        with ThreadPoolExecutor(max_workers=min(max(1, self._config.workers), len(positions))) as pool:
             for position, example in zip(positions, pool.map(source.read, positions)):
                 self._buffer.put_values(structure.flatten(example), seq=position)
 
@@ -121,8 +124,20 @@ class IntakeStage:
     def next(self, timeout_s: float | None = None) -> Batch:
         if self._buffer is None:
             raise StopIteration
-        arrays = self._buffer.next_arrays(timeout_s)
+        if isinstance(self._producers, InlineReader):
+            arrays = self._read_inline(timeout_s)
+        else:
+            arrays = self._buffer.next_arrays(timeout_s)
         return Batch(self.structure, arrays, self._buffer.last_seqs if self._exact else None)
+
+    def _read_inline(self, timeout_s: float | None) -> tuple[np.ndarray, ...]:
+        """workers=0: a ready batch, else read in this thread until the buffer is
+        full or the source ends; then the assembler has what a batch needs."""
+        try:
+            return self._buffer.next_arrays(0.0)
+        except TimeoutError:
+            self._producers.fill()
+        return self._buffer.next_arrays(timeout_s)
 
     def copy_arrays(self, arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
         """A copy of a batch's arrays, in a recycled block of the echo buffer's batch pool."""

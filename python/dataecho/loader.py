@@ -13,7 +13,6 @@ stages (:mod:`dataecho.chain`) is::
 
 from __future__ import annotations
 
-import math
 import threading
 import weakref
 from typing import Any, Callable
@@ -22,18 +21,21 @@ from .chain import stage_names
 from .checkpoint import FORMAT, check_state
 from .config import LoaderConfig, loader_config
 from .epoch import Epoch
-from .source import order_seed
+from .order import EpochNumbers, LoaderSampler, batches_per_epoch, epoch_order
 from .stats import Totals
 from .structure import Structure
 
 __all__ = ["EchoLoader"]
 
 
-def exact_deliveries(count: int, echo: float) -> int:
-    """Deliveries of `count` items with exact echo counts: floor(e) each, and one
-    more for floor(count * f) of them (f = e - floor(e))."""
-    whole = math.floor(echo)
-    return count * whole + math.floor(count * (echo - whole))
+# DataLoader's attributes that tools read (Lightning, Accelerate), by their names.
+_DATALOADER_NAMES: dict[str, Callable[[Any], Any]] = {
+    "dataset": lambda loader: loader.config.source,
+    "num_workers": lambda loader: loader.config.workers,
+    "sampler": lambda loader: loader.config.sampler or LoaderSampler(loader),
+    "batch_sampler": lambda loader: None,
+    "prefetch_factor": lambda loader: None,
+}
 
 
 class EchoLoader:
@@ -50,11 +52,10 @@ class EchoLoader:
     * batch echoing: ``echo_at="batch"`` repeats whole batches.
 
     Args:
-        source: an iterable of examples, or a map-style dataset (``__len__`` and
-            ``__getitem__``, a torch ``Dataset`` included), or a Ray Data
-            ``Dataset`` or ``DataIterator`` (read row by row; see
-            dataecho.ray_source). An example is an array, a number, a torch CPU
-            tensor, or a dict/tuple/list of them.
+        source: (DataLoader's ``dataset``) an iterable of examples, a map-style
+            dataset (``__len__`` and ``__getitem__``; a torch ``Dataset``), or a Ray
+            Data ``Dataset``/``DataIterator`` (see dataecho.ray_source). An example
+            is an array, a number, a torch CPU tensor, or a dict/tuple/list of them.
         batch_size: examples per batch.
         echo_factor: mean deliveries per example (or per batch), a number >= 1
             (fractional factors repeat ``floor(e)`` or ``floor(e) + 1`` times);
@@ -73,16 +74,22 @@ class EchoLoader:
             the seed alone, and resumable mid-epoch.
         shuffle_buffer: examples resident in the echo buffer (default 4096); with
             ``echo_at="batch"``, batches resident in the batch buffer (default 16).
-        workers: producer threads or processes (and augment threads).
-        shuffle: map-style sources: a new random order every epoch.
+        workers: (DataLoader's ``num_workers``) producer threads or processes
+            (and augment threads); default 2. 0 reads the source in the calling
+            thread when a batch is asked for, as DataLoader(num_workers=0).
+        shuffle: map-style sources: a new random order every epoch (default
+            True, False with a ``sampler``). With False the reading order is the
+            dataset's; the echo buffer still mixes what it holds.
         seed: seeds the order, the shuffle, the echo draws and ``augment``'s
             generators; None draws one. With ``workers=1`` and a fixed factor, a
             seed gives a repeatable order.
         drop_last: drop the last batch of an epoch if it is short.
-        prefetch: batches assembled ahead of the consumer.
+        prefetch: batches assembled ahead of the consumer (default 2; or
+            DataLoader's ``prefetch_factor`` times ``workers``).
         max_echo: cap on deliveries per example (batch) when echo_factor="auto".
         output: ``"numpy"`` or ``"torch"`` (tensors that share the batch memory).
-        pin_memory: batch memory is page-locked, allocated once (needs CUDA).
+        pin_memory: batch memory is page-locked, allocated once; without CUDA
+            a warning, and unpinned memory (as DataLoader).
         device: a torch device; each batch is copied there on a side stream,
             one batch ahead, so the copy overlaps the training step.
         worker_type: ``"thread"`` or ``"process"``: producer processes for a
@@ -90,9 +97,8 @@ class EchoLoader:
             threads). They write examples straight into the echo buffer's slots in
             shared memory. ``source`` and ``transform`` must be picklable; an
             iterable source is iterated by every worker, which should read its own
-            shard using ``dataecho.get_worker_info()`` (or, for a torch
-            ``Dataset``, torch's ``get_worker_info()``, as under DataLoader).
-            Started per epoch.
+            shard using ``dataecho.get_worker_info()`` or torch's
+            ``get_worker_info()``, as under DataLoader. Started per epoch.
         start_method: for processes: ``"forkserver"`` (default where available)
             or ``"spawn"``; ``"fork"`` is refused, as forking a process that runs
             native threads is unsafe.
@@ -107,50 +113,65 @@ class EchoLoader:
             reads a disjoint shard of a map-style dataset, of equal size (padded
             by repeating indices, or cut with ``drop_last``, as torch's
             ``DistributedSampler`` does), and yields the same number of batches;
-            shuffling and echoing are local to each rank, seeded differently.
-            The ``seed`` must be the same on every rank (None means 0 then).
+            shuffling and echoing are local to each rank, seeded differently. The
+            ``seed`` must be the same on every rank (None means 0 then).
+
+    DataLoader's other keywords are taken with DataLoader's meaning
+    (``sampler``, ``collate_fn``, ``worker_init_fn``, ``generator``, ``timeout``,
+    ``multiprocessing_context``, ``pin_memory_device``; see dataecho.dataloader_args).
 
     The validated arguments can be read back as attributes (``loader.batch_size``,
-    ``loader.source``, ...; all of them as ``loader.config``).
+    ``loader.source``, ...; all of them as ``loader.config``), and under
+    DataLoader's names: ``dataset``, ``num_workers``, ``sampler`` (the given one,
+    or a view of the loader's own order whose ``set_epoch`` reaches the loader),
+    ``batch_sampler`` (None).
 
     Raises:
         TypeError, ValueError: a bad argument, named in the message.
-        RuntimeError: ``pin_memory`` or a CUDA ``device`` without CUDA.
+        RuntimeError: a CUDA ``device`` without CUDA.
     """
 
     def __init__(
         self,
-        source: Any,
+        source: Any = None,
         batch_size: int = 256,
         echo_factor: float | str = 2.0,
         echo_at: str = "example",
         transform: Callable[[Any], Any] | None = None,
         augment: Callable[..., Any] | None = None,
         shuffle_buffer: int | None = None,
-        workers: int = 2,
-        shuffle: bool = True,
+        workers: int | None = None,
+        shuffle: bool | None = None,
         seed: int | None = None,
         drop_last: bool = False,
-        prefetch: int = 2,
+        prefetch: int | None = None,
         max_echo: float = 4.0,
         output: str = "numpy",
         pin_memory: bool = False,
         device: Any = None,
-        worker_type: str = "thread",
+        worker_type: str | None = None,
         start_method: str | None = None,
         deterministic: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
+        *,
+        dataset: Any = None,
+        num_workers: int | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        collate_fn: Callable[[list], Any] | None = None,
+        worker_init_fn: Callable[[int], None] | None = None,
+        prefetch_factor: int | None = None,
+        generator: Any = None,
+        timeout: float = 0,
+        multiprocessing_context: Any = None,
+        pin_memory_device: str = "",
     ) -> None:
-        self.config: LoaderConfig = loader_config(
-            source, batch_size=batch_size, echo_factor=echo_factor, echo_at=echo_at, transform=transform,
-            augment=augment, shuffle_buffer=shuffle_buffer, workers=workers, shuffle=shuffle, seed=seed,
-            drop_last=drop_last, prefetch=prefetch, max_echo=max_echo, output=output, pin_memory=pin_memory,
-            device=device, worker_type=worker_type, start_method=start_method, deterministic=deterministic,
-            rank=rank, world_size=world_size,
-        )
+        arguments = dict(locals())
+        del arguments["self"]
+        self.config: LoaderConfig = loader_config(**arguments)
         self._structure: Structure | None = None
-        self._epoch = 0
+        self._numbers = EpochNumbers()
         self._resume: dict[str, Any] | None = None  # from load_state_dict, for the next epoch
         # Weakly: an epoch nobody iterates any more is collected, and stops.
         self._current_ref: Callable[[], Epoch | None] = lambda: None
@@ -158,8 +179,11 @@ class EchoLoader:
         self._starting = threading.Lock()
 
     def __getattr__(self, name: str) -> Any:
-        # The validated arguments, read as attributes (as torch's DataLoader keeps its own).
+        # The validated arguments, read as attributes (as torch's DataLoader keeps
+        # its own), under DataLoader's names too.
         config = self.__dict__.get("config")
+        if config is not None and name in _DATALOADER_NAMES:
+            return _DATALOADER_NAMES[name](self)
         if config is not None and name in LoaderConfig.__dataclass_fields__:
             return getattr(config, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
@@ -174,12 +198,26 @@ class EchoLoader:
             if current is not None:
                 current.supersede()
             resume, self._resume = self._resume, None
-            epoch = Epoch(self.config, self._epoch, self._structure, resume["stages"] if resume else None,
+            epoch = Epoch(self.config, self._numbers.next, self._structure, resume["stages"] if resume else None,
                           self._totals.add, owner=self)
             self._structure = self._structure or epoch.structure
             self._current_ref = weakref.ref(epoch)
-            self._epoch += 1
+            self._numbers.started()
             return epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Sets the epoch the next ``iter(loader)`` runs, and every later one until
+        set again (see dataecho.order.EpochNumbers); a ``sampler`` with
+        ``set_epoch`` is given the number too."""
+        number = self._numbers.set(epoch)
+        set_sampler_epoch = getattr(self.config.sampler, "set_epoch", None)
+        if callable(set_sampler_epoch):
+            set_sampler_epoch(number)
+
+    @property
+    def next_epoch(self) -> int:
+        """The number of the epoch the next ``iter(loader)`` starts."""
+        return self._numbers.next
 
     @property
     def _current(self) -> Epoch | None:
@@ -204,7 +242,7 @@ class EchoLoader:
         """
         if self._resume is not None:
             return dict(self._resume)  # loaded, not started yet
-        state = {"format": FORMAT, "epoch": self._epoch, "config": self.config.fingerprint(), "stages": None}
+        state = {"format": FORMAT, "epoch": self._numbers.next, "config": self.config.fingerprint(), "stages": None}
         current = self._current
         if current is not None:
             state["epoch"] = current.epoch
@@ -220,33 +258,15 @@ class EchoLoader:
                 loader with other arguments that decide the batches (named).
         """
         config = self.config
-
-        def order_of(epoch: int) -> Any:
-            if not config.map_style:
-                return None
-            return config.shard.order(len(config.source), config.shuffle, order_seed(config.seed, epoch),
-                                      config.drop_last)
-
-        checked = check_state(state, config.fingerprint(), stage_names(config), order_of)
+        checked = check_state(state, config.fingerprint(), stage_names(config),
+                              lambda epoch: epoch_order(config, epoch) if config.map_style else None)
         self.close()
-        self._epoch = checked["epoch"]
+        self._numbers.next = checked["epoch"]
         self._resume = checked
 
     def __len__(self) -> int:
-        """Batches per epoch (on this rank), for a map-style source and a fixed
-        echo factor: integer, or fractional with ``deterministic=True`` or several
-        ranks (whose echo counts are exact)."""
-        config = self.config
-        if not config.map_style:
-            raise TypeError("len(): the source is an iterable of unknown length")
-        fixed = config.echo_factor != "auto" and (float(config.echo_factor).is_integer() or config.exact_echo)
-        if not fixed:
-            raise TypeError("len(): the number of batches is random with a fractional or 'auto' echo factor")
-        rounding = math.floor if config.drop_last else math.ceil
-        examples = config.shard.per_rank(len(config.source), config.drop_last)
-        if config.echo_at == "batch":
-            return exact_deliveries(rounding(examples / config.batch_size), float(config.echo_factor))
-        return rounding(exact_deliveries(examples, float(config.echo_factor)) / config.batch_size)
+        """Batches per epoch on this rank (see dataecho.order.batches_per_epoch)."""
+        return batches_per_epoch(self.config)
 
     def close(self) -> None:
         """Stops the current epoch's threads; iterating again starts a new epoch."""
@@ -255,20 +275,8 @@ class EchoLoader:
             current.close()
 
     def stats(self) -> dict[str, Any]:
-        """Counters over every epoch so far.
-
-        Returns:
-            fresh: examples read from the source and put in the echo buffer;
-            delivered: examples in the batches yielded (repeats counted);
-            echo_factor_achieved: delivered / fresh;
-            upstream_examples_per_s: fresh examples per second of iteration;
-            consumer_wait_fraction: share of iteration time spent waiting in next();
-            batches, epoch;
-            workers: for the current (or last) epoch, per producer thread or
-            process: examples produced and seconds busy reading and transforming
-            (and a worker process's ``pid``).
-        """
-        return self._totals.stats(self._current, max(0, self._epoch - 1))
+        """Counters over every epoch so far (see dataecho.stats.Totals.stats)."""
+        return self._totals.stats(self._current, self._numbers.last)
 
     def __enter__(self) -> EchoLoader:
         return self

@@ -97,14 +97,15 @@ class ProcessProducers:
         self._lifeline: Any = None
         self._monitor: threading.Thread | None = None
         try:
-            self._start(context, structure, source, config.transform)
+            self._start(context, structure, source, config.transform, config.worker_init_fn)
         except BaseException:
             # Ctrl-C (or a failed start) part-way: the workers already started stop too.
             buffer.abort()
             self.join()
             raise
 
-    def _start(self, context: Any, structure: Structure, source: EpochSource, transform: Any) -> None:
+    def _start(self, context: Any, structure: Structure, source: EpochSource, transform: Any,
+               worker_init_fn: Any) -> None:
         workers, buffer = self.workers, self._buffer
         # The lifeline: this process holds its only write end and never writes, so
         # every worker's read end sees EOF the moment this process is gone, however
@@ -123,6 +124,7 @@ class ProcessProducers:
                 seed=(source.seeds[1] + 7919 * (worker + 1)) % (1 << 63),
                 map_style=source.order is not None,
                 order=source.order,
+                worker_init_fn=worker_init_fn,
             )
             receiver, sender = context.Pipe(duplex=False)
             process = context.Process(

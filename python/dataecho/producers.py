@@ -54,6 +54,7 @@ class Producers:
         self._structure = structure
         self._source = source
         self._transform = config.transform
+        self._worker_init_fn = config.worker_init_fn
         self._workers = config.workers
         self._failure = failure
         self._on_failure = on_failure
@@ -103,7 +104,7 @@ class Producers:
                     self._put(example, start, seq)
                     start = time.perf_counter()
 
-            self._spawn([read])
+            self._spawn([read], initialized=1)
             return
         handoff: queue.Queue = queue.Queue(maxsize=4 * self._workers)
 
@@ -127,7 +128,7 @@ class Producers:
                 seq, example = item
                 self._put(example, time.perf_counter(), seq)
 
-        self._spawn([read_and_hand_off] + [work] * self._workers)
+        self._spawn([work] * self._workers + [read_and_hand_off], initialized=self._workers)
 
     # ---- stopping ----
 
@@ -147,16 +148,23 @@ class Producers:
 
     # ---- internals ----
 
-    def _spawn(self, targets: list[Callable[[], None]]) -> None:
+    def _spawn(self, targets: list[Callable[[], None]], initialized: int | None = None) -> None:
+        """One thread per target; the first `initialized` (all by default) are
+        workers: each calls ``worker_init_fn`` with its number first."""
         self._running = len(targets)
+        initialized = len(targets) if initialized is None else initialized
         for i, target in enumerate(targets):
-            thread = threading.Thread(target=self._run, args=(target,), name=f"dataecho-producer-{i}", daemon=True)
+            worker_id = i if i < initialized else None
+            thread = threading.Thread(target=self._run, args=(target, worker_id), name=f"dataecho-producer-{i}",
+                                      daemon=True)
             self._threads.append(thread)
         for thread in self._threads:
             thread.start()
 
-    def _run(self, target: Callable[[], None]) -> None:
+    def _run(self, target: Callable[[], None], worker_id: int | None) -> None:
         try:
+            if worker_id is not None and self._worker_init_fn is not None:
+                self._worker_init_fn(worker_id)
             target()
         except BufferClosed:
             pass  # the pipeline is shutting down

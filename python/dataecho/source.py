@@ -17,17 +17,13 @@ import numpy as np
 
 from .config import LoaderConfig
 from .fields import parse_fields, to_field_array
+from .order import epoch_order
 from .stage import stop_iteration_error
 from .structure import Structure
 
-__all__ = ["EpochSource", "Pickled", "order_seed"]
+__all__ = ["EpochSource", "Pickled"]
 
 NOTHING = object()
-
-
-def order_seed(seed: int, epoch: int) -> int:
-    """The seed of an epoch's reading order: the same on every rank."""
-    return int(np.random.SeedSequence([seed, epoch]).generate_state(1, dtype=np.uint64)[0])
 
 
 class EpochSource:
@@ -58,8 +54,7 @@ class EpochSource:
         if config.map_style:
             # The same permutation on every rank (seeded by seed and epoch alone),
             # of which this rank reads its shard.
-            self.order = config.shard.order(len(source), config.shuffle, order_seed(config.seed, epoch),
-                                            config.drop_last)
+            self.order = epoch_order(config, epoch)
         else:
             self.iterator = itertools.islice(iter(source), skip, None) if skip else iter(source)
         # The shuffle, echo and worker seeds differ per rank.

@@ -24,7 +24,19 @@ class Totals:
 
     def stats(self, current: Any, epoch: int) -> dict[str, Any]:
         """The totals, with the running epoch's counters (``current``, or None)
-        added; ``epoch`` is the number of the current or last epoch."""
+        added; ``epoch`` is the number of the current or last epoch.
+
+        Returns:
+            fresh: examples read from the source and put in the echo buffer;
+            delivered: examples in the batches yielded (repeats counted);
+            echo_factor_achieved: delivered / fresh;
+            upstream_examples_per_s: fresh examples per second of iteration;
+            consumer_wait_fraction: share of iteration time spent waiting in next();
+            batches, epoch;
+            workers: for the current (or last) epoch, per producer thread or
+            process: examples produced and seconds busy reading and transforming
+            (and a worker process's ``pid``).
+        """
         sums, workers = dict(self._sums), self._workers
         if current is not None:
             for key, value in current.counters().items():

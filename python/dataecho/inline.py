@@ -1,0 +1,81 @@
+"""``workers=0`` (``num_workers=0``): the source is read in the consumer's own
+thread, as torch's ``DataLoader(num_workers=0)`` reads it.
+
+Nothing reads ahead: when the training loop asks for a batch and none is ready,
+the loop's thread reads and transforms examples into the echo buffer until it is
+full (the assembler then has what it needs for a batch) or the source ends. No
+thread touches the dataset but the caller's, so a dataset that is not
+thread-safe, or that must run in the main thread, works as under DataLoader.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+from .buffer import NativeBuffer
+from .source import EpochSource
+from .structure import Structure
+
+__all__ = ["InlineReader"]
+
+
+class InlineReader:
+    """Reads an epoch's source into a buffer on demand, in the calling thread.
+
+    Args:
+        buffer: the echo buffer; closed when the source is exhausted.
+        structure: checks and flattens each example.
+        source: this epoch's view of the source.
+        first_seq: iterable sources: the number of the first example read.
+    """
+
+    def __init__(self, buffer: NativeBuffer, structure: Structure, source: EpochSource, first_seq: int = 0) -> None:
+        self._buffer, self._structure, self._source = buffer, structure, source
+        self._items = self._positions() if source.order is not None else self._iterated(first_seq)
+        self._pending: tuple[int, list] | None = None  # read, not yet taken by a full buffer
+        self._exhausted = False
+        self._produced, self._busy_s = 0, 0.0
+
+    def fill(self) -> bool:
+        """Reads and puts examples until the buffer has no free slot (True) or the
+        source is exhausted and the buffer closed (False)."""
+        while not self._exhausted:
+            if self._pending is None:
+                started = time.perf_counter()
+                self._pending = next(self._items, None)
+                self._busy_s += time.perf_counter() - started
+                if self._pending is None:
+                    self._exhausted = True
+                    self._buffer.close()
+                    break
+            seq, leaves = self._pending
+            try:
+                self._buffer.put_values(leaves, timeout_s=0.0, seq=seq)
+            except TimeoutError:
+                return True  # full: the assembler can make a batch
+            self._pending = None
+            self._produced += 1
+        return False
+
+    def counters(self) -> list[dict[str, float]]:
+        """One entry, for the calling thread: examples produced, seconds reading."""
+        return [{"produced": self._produced, "busy_s": self._busy_s}]
+
+    def _positions(self) -> Iterator[tuple[int, list]]:
+        claim, source, structure = self._buffer.claim_index, self._source, self._structure
+        while (position := claim()) >= 0:
+            yield position, structure.flatten(source.read(position))
+
+    def _iterated(self, first_seq: int) -> Iterator[tuple[int, list]]:
+        source, structure = self._source, self._structure
+        for seq, example in enumerate(source.iterator, first_seq):
+            yield seq, structure.flatten(source.transformed(example))
+
+    # the stage protocol's producer side: nothing runs on its own
+
+    def stop(self) -> None:
+        pass
+
+    def join(self, timeout_s: float) -> None:
+        pass

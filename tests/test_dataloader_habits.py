@@ -1,0 +1,213 @@
+"""torch DataLoader's keywords and habits on EchoLoader: the epoch rule
+(set_epoch), num_workers=0, collate_fn, sampler, worker_init_fn, timeout,
+generator, multiprocessing_context, prefetch_factor, and the attributes tools read."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import numpy as np
+import pytest
+from support import InjectedFault, MarkedRecords, Records, Stall, checked_ids, mark_worker
+
+import dataecho
+
+
+def ids(batches) -> Counter:
+    return Counter(i for b in batches for i in checked_ids(b).tolist())
+
+
+# ---- the epoch rule ----
+
+
+def test_set_epoch_keeps_ranks_on_one_permutation_despite_an_extra_iter(seed):
+    # Two ranks of a data-parallel job; rank 0 peeks at a batch before epoch 1.
+    ranks = [dataecho.EchoLoader(Records(32), batch_size=4, echo_factor=1, shuffle_buffer=4, rank=r, world_size=2,
+                                 seed=seed) for r in range(2)]
+    for epoch in range(3):
+        if epoch == 1:
+            next(iter(ranks[0]))  # logging the shapes of one batch
+        seen: Counter = Counter()
+        for loader in ranks:
+            loader.set_epoch(epoch)
+            seen += ids(loader)
+        assert seen == Counter(range(32)), f"epoch {epoch}: ranks overlap or miss examples"
+
+
+def test_without_set_epoch_each_iter_is_the_next_epoch_and_set_epoch_fixes_it(seed):
+    loader = dataecho.EchoLoader(Records(64), batch_size=8, echo_factor=1, workers=1, shuffle_buffer=8, seed=seed)
+    orders = [list(loader.sampler) for _ in range(1)]
+    first = [checked_ids(b).tolist() for b in loader]
+    second = [checked_ids(b).tolist() for b in loader]
+    assert first != second and loader.next_epoch == 2 and loader.stats()["epoch"] == 1
+    loader.set_epoch(0)
+    assert list(loader.sampler) == orders[0], "the sampler view shows the order of the epoch set"
+    assert [checked_ids(b).tolist() for b in loader] == first
+    assert [checked_ids(b).tolist() for b in loader] == first, "an iter() after set_epoch does not move it"
+    assert loader.next_epoch == 0
+    with pytest.raises(ValueError, match="epoch"):
+        loader.set_epoch(-1)
+    with pytest.raises(TypeError, match="epoch"):
+        loader.set_epoch(1.0)
+
+
+def test_set_epoch_reaches_a_sampler_and_the_sampler_view_reaches_the_loader(seed):
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DistributedSampler
+
+    source = Records(40)
+    sampler = DistributedSampler(source, num_replicas=2, rank=1, shuffle=True, seed=seed % 1000)
+    loader = dataecho.EchoLoader(source, batch_size=5, echo_factor=1, shuffle_buffer=5, sampler=sampler, seed=seed)
+    for epoch in (0, 3):
+        loader.set_epoch(epoch)
+        assert sampler.epoch == epoch
+        expected = Counter(list(sampler))
+        assert ids(loader) == expected and len(expected) == 20
+    assert loader.sampler is sampler and len(loader) == 4
+    own = dataecho.EchoLoader(source, batch_size=5, seed=seed)
+    own.sampler.set_epoch(7)  # what Lightning calls on a loader's sampler
+    assert own.next_epoch == 7 and len(own.sampler) == 40 and sorted(own.sampler) == list(range(40))
+    del torch
+
+
+# ---- num_workers=0 ----
+
+
+class ThreadRecords(Records):
+    """Records that note the thread reading each one."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.threads: set[int] = set()
+
+    def __getitem__(self, i: int):
+        self.threads.add(threading.get_ident())
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("echo", [1, 2, "auto"])
+def test_num_workers_0_reads_in_the_calling_thread_only(echo, seed):
+    source = ThreadRecords(500)
+    loader = dataecho.EchoLoader(source, batch_size=16, echo_factor=echo, num_workers=0, shuffle_buffer=64, seed=seed)
+    delivered = ids(loader)
+    assert source.threads == {threading.get_ident()}
+    assert set(delivered) == set(range(500))
+    if echo != "auto":
+        assert set(delivered.values()) == {echo}
+    stream = dataecho.EchoLoader(iter(range(100)), batch_size=8, echo_factor=1, num_workers=0, seed=seed)
+    assert sorted(i for b in stream for i in b.tolist()) == list(range(100))
+
+
+def test_num_workers_0_raises_the_sources_errors_in_the_loop(seed):
+    loader = dataecho.EchoLoader(Records(300, fail_at=150), batch_size=8, num_workers=0, shuffle_buffer=32, seed=seed)
+    with pytest.raises(InjectedFault, match="record 150"):
+        ids(loader)
+    stops = dataecho.EchoLoader(Records(300, fail_at=150, fail_with="stop"), batch_size=8, num_workers=0, seed=seed)
+    with pytest.raises(RuntimeError, match="raised StopIteration"):
+        ids(stops)
+
+
+# ---- collate_fn, sampler, worker_init_fn ----
+
+
+@pytest.mark.parametrize("output", ["numpy", "torch"])
+def test_collate_fn_gets_each_batchs_examples_as_views(output, seed):
+    if output == "torch":
+        pytest.importorskip("torch")
+    calls = []
+
+    def collate(examples):
+        calls.append(len(examples))
+        assert all(set(e) == {"id", "payload"} for e in examples)
+        assert all(not np.asarray(e["payload"]).flags.owndata for e in examples if output == "numpy")
+        return [int(e["id"]) for e in examples], len(examples)
+
+    loader = dataecho.EchoLoader(Records(100), batch_size=16, echo_factor=2, collate_fn=collate, output=output,
+                                 seed=seed)
+    batches = list(loader)
+    assert Counter(i for b, _ in batches for i in b) == Counter({i: 2 for i in range(100)})
+    assert calls == [n for _, n in batches] and sum(calls) == 200
+
+
+def test_a_sampler_decides_the_order_of_reads(seed):
+    order = [5, 3, 3, 9, 0, 0, 0, 7]  # a curriculum with repeats
+    loader = dataecho.EchoLoader(Records(10), batch_size=4, echo_factor=1, shuffle_buffer=4, sampler=order,
+                                 seed=seed)
+    assert ids(loader) == Counter(order) and len(loader) == 2
+    bad = dataecho.EchoLoader(Records(10), batch_size=4, sampler=[1, 10], seed=seed)
+    with pytest.raises(IndexError, match="sampler: yielded index 10"):
+        iter(bad)
+
+
+def test_a_weighted_random_sampler_is_followed(seed):
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import WeightedRandomSampler
+
+    weights = [0.0] * 10 + [1.0] * 10  # the first half never drawn
+    sampler = WeightedRandomSampler(weights, num_samples=200, generator=torch.Generator().manual_seed(seed % 1000))
+    loader = dataecho.EchoLoader(Records(20), batch_size=10, echo_factor=1, sampler=sampler, seed=seed)
+    delivered = ids(loader)
+    assert sum(delivered.values()) == 200 and set(delivered) <= set(range(10, 20))
+
+
+def test_worker_init_fn_runs_once_in_each_thread_worker(seed):
+    calls = []
+    loader = dataecho.EchoLoader(Records(200), batch_size=8, workers=3,
+                                 worker_init_fn=lambda i: calls.append((i, threading.current_thread())), seed=seed)
+    ids(loader)
+    assert sorted(i for i, _ in calls) == [0, 1, 2]
+    # The thread objects themselves (kept alive here): idents are reused once a thread ends.
+    assert len({t for _, t in calls}) == 3 and threading.current_thread() not in {t for _, t in calls}
+
+
+def test_worker_init_fn_runs_in_each_worker_process_before_it_reads(seed):
+    loader = dataecho.EchoLoader(MarkedRecords(400, delay_s=0.0005), batch_size=8, workers=2,
+                                 worker_type="process", worker_init_fn=mark_worker, seed=seed)
+    marks = {}
+    for batch in loader:
+        marks.update(zip(batch["id"].tolist(), batch["mark"].tolist()))
+    assert len(marks) == 400
+    # One example is read here, to learn the structure; every other in a worker, after its init.
+    marked = Counter(marks.values())
+    assert marked.pop(-1) == 1 and set(marked) <= {0, 1}
+
+
+# ---- timeout, generator, multiprocessing_context, prefetch_factor ----
+
+
+def test_timeout_raises_when_no_batch_comes_in_time(seed):
+    loader = dataecho.EchoLoader(Records(100), batch_size=8, workers=1, worker_type="process", transform=Stall(60),
+                                 timeout=0.5, seed=seed)
+    with pytest.raises(RuntimeError, match=r"timed out after 0.5 seconds"):
+        next(iter(loader))
+    loader.close()
+
+
+def test_generator_seeds_the_order_when_no_seed_is_given():
+    torch = pytest.importorskip("torch")
+
+    def order(**kwargs):
+        loader = dataecho.EchoLoader(Records(64), batch_size=8, echo_factor=1, workers=1, shuffle_buffer=8, **kwargs)
+        return [checked_ids(b).tolist() for b in loader]
+
+    assert order(generator=torch.Generator().manual_seed(3)) == order(generator=torch.Generator().manual_seed(3))
+    assert order(generator=torch.Generator().manual_seed(3)) != order(generator=torch.Generator().manual_seed(4))
+    assert order(generator=torch.Generator().manual_seed(3), seed=11) == order(seed=11), "a seed takes precedence"
+
+
+def test_multiprocessing_context_means_worker_processes_and_prefetch_factor_is_per_worker():
+    import multiprocessing
+
+    loader = dataecho.EchoLoader(Records(10), num_workers=3, multiprocessing_context="spawn", prefetch_factor=4)
+    assert (loader.worker_type, loader.start_method, loader.prefetch) == ("process", "spawn", 12)
+    context = dataecho.EchoLoader(Records(10), num_workers=1,
+                                  multiprocessing_context=multiprocessing.get_context("spawn"))
+    assert (context.worker_type, context.start_method) == ("process", "spawn")
+
+
+def test_the_attributes_tools_read():
+    source = Records(100)
+    loader = dataecho.EchoLoader(dataset=source, batch_size=10, num_workers=4, echo_factor=1)
+    assert loader.dataset is source and loader.batch_size == 10 and loader.num_workers == 4
+    assert loader.batch_sampler is None and len(loader) == 10 and len(loader.sampler) == 100
