@@ -211,3 +211,21 @@ def test_the_attributes_tools_read():
     loader = dataecho.EchoLoader(dataset=source, batch_size=10, num_workers=4, echo_factor=1)
     assert loader.dataset is source and loader.batch_size == 10 and loader.num_workers == 4
     assert loader.batch_sampler is None and len(loader) == 10 and len(loader.sampler) == 100
+
+
+def test_num_workers_0_with_deterministic_matches_workers_and_resumes(seed):
+    # Deterministic intake admits a put only within a window of what the assembler
+    # has taken: reading inline must wait for it, never take it for a full buffer.
+    def make(**kwargs):
+        return dataecho.EchoLoader(Records(300), batch_size=8, echo_factor=2, shuffle_buffer=32, deterministic=True,
+                                   seed=seed, **kwargs)
+
+    for _ in range(5):
+        inline = [checked_ids(b).tolist() for b in make(num_workers=0)]
+        assert inline == [checked_ids(b).tolist() for b in make(workers=3)]
+    first = make(num_workers=0)
+    epoch = iter(first)
+    head = [checked_ids(next(epoch)).tolist() for _ in range(10)]
+    resumed = make(num_workers=0)
+    resumed.load_state_dict(first.state_dict())
+    assert head + [checked_ids(b).tolist() for b in resumed] == inline

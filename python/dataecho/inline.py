@@ -2,8 +2,9 @@
 thread, as torch's ``DataLoader(num_workers=0)`` reads it.
 
 Nothing reads ahead: when the training loop asks for a batch and none is ready,
-the loop's thread reads and transforms examples into the echo buffer until it is
-full (the assembler then has what it needs for a batch) or the source ends. No
+the loop's thread reads and transforms examples into the echo buffer until a
+put cannot go in (the buffer is full: the assembler then has what it needs for a
+batch) or the source ends. No
 thread touches the dataset but the caller's, so a dataset that is not
 thread-safe, or that must run in the main thread, works as under DataLoader.
 """
@@ -17,7 +18,9 @@ from .buffer import NativeBuffer
 from .source import EpochSource
 from .structure import Structure
 
-__all__ = ["InlineReader"]
+__all__ = ["INLINE_WAIT_S", "InlineReader"]
+
+INLINE_WAIT_S = 0.02  # how long a put, then the wait for a batch, may park before reading resumes
 
 
 class InlineReader:
@@ -38,8 +41,10 @@ class InlineReader:
         self._produced, self._busy_s = 0, 0.0
 
     def fill(self) -> bool:
-        """Reads and puts examples until the buffer has no free slot (True) or the
-        source is exhausted and the buffer closed (False)."""
+        """Reads and puts examples until a put cannot go in within INLINE_WAIT_S
+        (True: the buffer is full, or with deterministic intake the assembler has
+        not yet taken the examples before it) or the source is exhausted and the
+        buffer closed (False)."""
         while not self._exhausted:
             if self._pending is None:
                 started = time.perf_counter()
@@ -51,7 +56,7 @@ class InlineReader:
                     break
             seq, leaves = self._pending
             try:
-                self._buffer.put_values(leaves, timeout_s=0.0, seq=seq)
+                self._buffer.put_values(leaves, timeout_s=INLINE_WAIT_S, seq=seq)
             except TimeoutError:
                 return True  # full: the assembler can make a batch
             self._pending = None

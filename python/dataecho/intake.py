@@ -7,6 +7,7 @@ shuffles examples with factor 1 and the batch echo stage repeats its batches.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -16,7 +17,7 @@ from . import _core
 from .buffer import NativeBuffer, buffer_config
 from .config import DEFAULT_EXAMPLES, LoaderConfig
 from .fields import parse_fields
-from .inline import InlineReader
+from .inline import INLINE_WAIT_S, InlineReader
 from .process_producers import PROCESS_GRACE_S, ProcessProducers
 from .producers import Producers
 from .source import NOTHING, EpochSource
@@ -131,13 +132,24 @@ class IntakeStage:
         return Batch(self.structure, arrays, self._buffer.last_seqs if self._exact else None)
 
     def _read_inline(self, timeout_s: float | None) -> tuple[np.ndarray, ...]:
-        """workers=0: a ready batch, else read in this thread until the buffer is
-        full or the source ends; then the assembler has what a batch needs."""
-        try:
-            return self._buffer.next_arrays(0.0)
-        except TimeoutError:
-            self._producers.fill()
-        return self._buffer.next_arrays(timeout_s)
+        """workers=0: a ready batch, else read in this thread until a put cannot
+        go in (a full buffer, or with deterministic intake one whose assembler has
+        not yet taken the examples before it) or the source ends."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            try:
+                return self._buffer.next_arrays(0.0)
+            except TimeoutError:
+                pass
+            if not self._producers.fill():
+                return self._buffer.next_arrays(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            # The assembler moves next: it makes a batch, or takes what was put
+            # and opens the intake window; either way reading can go on.
+            try:
+                return self._buffer.next_arrays(INLINE_WAIT_S)
+            except TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
 
     def copy_arrays(self, arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
         """A copy of a batch's arrays, in a recycled block of the echo buffer's batch pool."""
