@@ -158,7 +158,7 @@ def test_auto_stays_near_one_under_a_fast_upstream(seed):
     delivered = 0
     for batch in loader:
         delivered += len(batch)
-        time.sleep(0.001)  # a training step slower than reading
+        time.sleep(0.005)  # a training step far slower than reading, even on a loaded machine
     assert loader.stats()["echo_factor_achieved"] < 1.15
     assert delivered == loader.stats()["delivered"]
 
