@@ -134,12 +134,8 @@ def _seed(generator: Any, seed: Any) -> Any:
 
 
 def _timeout(value: Any) -> float | None:
-    """DataLoader's ``timeout``: seconds to wait for a batch, 0 for ever."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"timeout: expected seconds as a number >= 0, got {value!r}")
-    if not value >= 0:
-        raise ValueError(f"timeout: expected seconds as a number >= 0 (0 waits for ever), got {value!r}")
-    return float(value) or None
+    """DataLoader's ``timeout``: seconds to wait for a batch, 0 (or None) for ever."""
+    return _checks.timeout(value) or None
 
 
 def _pin_memory(pin_memory: Any, device: Any) -> bool:
