@@ -47,6 +47,7 @@ class Epoch:
         self._owner = owner
         self._config, self._on_finish = config, on_finish
         self._closed = False
+        self._state = "running"  # then "complete", "stopped" or "failed" (see dataecho.stats)
         self._superseded = False  # ended by a later iter(loader): its next() says so
         self._consumer = threading.Lock()
         self._started = time.perf_counter()
@@ -102,11 +103,11 @@ class Epoch:
         except StopIteration:
             # The end, or a stage failed: either way the epoch is over. Its
             # threads and processes are stopped before the error reaches the loop.
-            self._finish()
+            self._finish("complete" if self._chain.failure.error is None else "failed")
             self._chain.failure.raise_if_set()
             raise
-        except BaseException:
-            self.close()  # Ctrl-C, or an error of the native core: stop every stage
+        except BaseException as error:  # Ctrl-C, or an error of the native core: stop every stage
+            self._finish("stopped" if isinstance(error, KeyboardInterrupt) else "failed")
             raise
         finally:
             self._wait_s += time.perf_counter() - start
@@ -158,6 +159,8 @@ class Epoch:
     def counters(self) -> dict[str, float]:
         first = self._chain.stages[0].counters() if self._chain.stages else {}
         return {
+            "epoch": self.epoch,
+            "state": self._state,
             "fresh": first.get("fresh", 0),
             "delivered": self._delivered,
             "batches": self._batches,
@@ -190,10 +193,11 @@ class Epoch:
             self._superseded = True
         self._finish()
 
-    def _finish(self, wait: bool = True) -> None:
+    def _finish(self, state: str = "stopped", wait: bool = True) -> None:
         if self._closed:
             return
         self._closed = True
+        self._state = state
         self.abort()
         for stage in reversed(self._chain.stages):
             stage.join(JOIN_TIMEOUT_S if wait else 0.0)

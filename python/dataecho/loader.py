@@ -274,9 +274,10 @@ class EchoLoader:
         if current is not None:
             current.close()
 
-    def stats(self) -> dict[str, Any]:
-        """Counters over every epoch so far (see dataecho.stats.Totals.stats)."""
-        return self._totals.stats(self._current, self._numbers.last)
+    def stats(self, flat: bool = False, prefix: str = "dataecho/") -> dict[str, Any]:
+        """Counters over every epoch and for the current one; ``flat=True``: as
+        {``prefix`` + "a/b": number} for a metrics logger (see dataecho.stats)."""
+        return self._totals.stats(self._current, self._numbers.last, flat, prefix)
 
     def __enter__(self) -> EchoLoader:
         return self

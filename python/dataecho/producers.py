@@ -62,7 +62,7 @@ class Producers:
         self._running = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._counters: dict[int, list] = {}  # thread id -> [produced, busy seconds]
+        self._counters: dict[threading.Thread, list] = {}  # worker thread -> [produced, busy seconds]
 
     # ---- starting ----
 
@@ -158,6 +158,8 @@ class Producers:
             thread = threading.Thread(target=self._run, args=(target, worker_id), name=f"dataecho-producer-{i}",
                                       daemon=True)
             self._threads.append(thread)
+            if worker_id is not None:  # listed in worker order, from the start
+                self._counters[thread] = [0, 0.0]
         for thread in self._threads:
             thread.start()
 
@@ -184,7 +186,7 @@ class Producers:
         if self._transform is not None:
             example = self._transform(example)
         leaves = self._structure.flatten(example)
-        counter = self._counters.setdefault(threading.get_ident(), [0, 0.0])
+        counter = self._counters.setdefault(threading.current_thread(), [0, 0.0])
         counter[1] += time.perf_counter() - started
         self._buffer.put_values(leaves, seq=seq)
         counter[0] += 1
