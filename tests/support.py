@@ -551,3 +551,19 @@ def batch_blocks_allocated(buf: dataecho.ShuffleBuffer) -> int:
 def worker_pids(loader: dataecho.EchoLoader) -> list[int]:
     """The pids of the worker processes of the loader's current epoch."""
     return [worker["pid"] for worker in loader.stats()["workers"]]
+
+
+def spy_on_last_stage(epoch: Any) -> list[set[int]]:
+    """Records the addresses of the arrays of every batch an epoch's last stage
+    hands out (to check that what the loop gets views them: no copy)."""
+    native: list[set[int]] = []
+    last = epoch.stages[-1]
+    upstream = last.next
+
+    def spy(timeout_s: float | None = None) -> Any:
+        batch = upstream(timeout_s)
+        native.append({a.ctypes.data for a in batch.arrays})
+        return batch
+
+    last.next = spy
+    return native

@@ -9,7 +9,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from support import InjectedFault, MarkedRecords, Records, Stall, checked_ids, mark_worker
+from support import InjectedFault, MarkedRecords, Records, Stall, Stream, checked_ids, mark_worker
 
 import dataecho
 
@@ -50,6 +50,33 @@ def test_without_set_epoch_each_iter_is_the_next_epoch_and_set_epoch_fixes_it(se
         loader.set_epoch(-1)
     with pytest.raises(TypeError, match="epoch"):
         loader.set_epoch(1.0)
+
+
+def test_an_epoch_left_before_its_first_batch_does_not_count(seed):
+    # Lightning calls iter() once to check that a loader iterates, then again for
+    # its first epoch, and only then set_epoch(0).
+    def make():
+        return dataecho.EchoLoader(Records(64), batch_size=8, echo_factor=1, deterministic=True, seed=seed)
+
+    reference = make()
+    epochs = [[checked_ids(b).tolist() for b in reference] for _ in range(2)]
+    loader = make()
+    iter(loader)  # dropped at once
+    kept = iter(loader)
+    iter(loader)  # supersedes `kept` before its first batch, and is dropped too
+    assert loader.next_epoch == 0
+    assert [checked_ids(b).tolist() for b in loader] == epochs[0]
+    assert [checked_ids(b).tolist() for b in loader] == epochs[1]
+    with pytest.raises(RuntimeError, match="ended by a later iter"):
+        next(kept)
+    # A loader resumed from a checkpoint keeps it through such a check too.
+    first = make()
+    epoch = iter(first)
+    head = [checked_ids(next(epoch)).tolist() for _ in range(3)]
+    resumed = make()
+    resumed.load_state_dict(first.state_dict())
+    iter(resumed)
+    assert head + [checked_ids(b).tolist() for b in resumed] == epochs[0]
 
 
 def test_set_epoch_reaches_a_sampler_and_the_sampler_view_reaches_the_loader(seed):
@@ -229,3 +256,71 @@ def test_num_workers_0_with_deterministic_matches_workers_and_resumes(seed):
     resumed = make(num_workers=0)
     resumed.load_state_dict(first.state_dict())
     assert head + [checked_ids(b).tolist() for b in resumed] == inline
+
+
+# ---- shuffle=False ----
+
+
+def _in_order_ids(loader) -> list[list[int]]:
+    return [checked_ids(b).tolist() for b in loader]
+
+
+def _batched(ids: list[int], size: int) -> list[list[int]]:
+    return [ids[i:i + size] for i in range(0, len(ids), size)]
+
+
+IN_ORDER_CASES = {
+    "threads": {"workers": 4},
+    "inline": {"num_workers": 0},
+    "processes": {"worker_type": "process", "workers": 3},
+    "augment": {"augment": lambda example: example, "workers": 3},
+    "batch echo at 1": {"echo_at": "batch", "workers": 3},
+    "torch output": {"output": "torch", "workers": 2},
+    "drop_last": {"drop_last": True, "workers": 2},
+    "small buffer": {"shuffle_buffer": 7, "workers": 2},
+}
+
+
+@pytest.mark.parametrize("case", list(IN_ORDER_CASES))
+def test_shuffle_false_at_echo_1_yields_the_datasets_order(case, seed):
+    # An evaluation loop: batches in exactly the dataset's order, as DataLoader(shuffle=False),
+    # whatever the workers' timing (reads jitter) and over two epochs.
+    kwargs = IN_ORDER_CASES[case]
+    if kwargs.get("output") == "torch":
+        pytest.importorskip("torch")
+    loader = dataecho.EchoLoader(Records(1003, jitter=0.02), batch_size=7, echo_factor=1, shuffle=False,
+                                 seed=seed, **kwargs)
+    expected = _batched(list(range(1003)), 7)
+    if kwargs.get("drop_last"):
+        expected = expected[:-1]
+    for _ in range(2):
+        assert _in_order_ids(loader) == expected
+
+
+def test_shuffle_false_follows_a_samplers_order_and_each_ranks_shard(seed):
+    order = [int(i) for i in np.random.default_rng(seed % 2**32).permutation(300)]
+    loader = dataecho.EchoLoader(Records(300, jitter=0.02), batch_size=16, echo_factor=1, sampler=order, workers=3,
+                                 seed=seed)
+    assert _in_order_ids(loader) == _batched(order, 16)
+    ranks = [dataecho.EchoLoader(Records(300), batch_size=16, echo_factor=1, shuffle=False, rank=r, world_size=2,
+                                 workers=2, seed=seed) for r in range(2)]
+    # As DistributedSampler(shuffle=False): rank r reads r, r + 2, r + 4, ...
+    assert [_in_order_ids(loader) for loader in ranks] == [_batched(list(range(r, 300, 2)), 16) for r in range(2)]
+
+
+def test_shuffle_false_over_an_iterable_read_by_threads_keeps_its_order(seed):
+    stream = Stream(500)
+    loader = dataecho.EchoLoader(stream, batch_size=32, echo_factor=1, shuffle=False, workers=3, seed=seed)
+    assert _in_order_ids(loader) == _batched(list(range(500)), 32)
+
+
+def test_shuffle_false_with_echo_mixes_repeats_within_the_buffer(seed):
+    # Echoed repeats must be spread apart, so the buffer mixes what it holds:
+    # the order follows the dataset's only roughly (documented).
+    loader = dataecho.EchoLoader(Records(4000), batch_size=50, echo_factor=2, shuffle=False, shuffle_buffer=256,
+                                 seed=seed)
+    delivered = [i for batch in _in_order_ids(loader) for i in batch]
+    assert Counter(delivered) == Counter({i: 2 for i in range(4000)})
+    assert delivered[:100] != sorted(delivered[:100])  # mixed ...
+    quarters = [np.mean(delivered[q * 2000:(q + 1) * 2000]) for q in range(4)]
+    assert quarters == sorted(quarters) and quarters[-1] - quarters[0] > 2000  # ... yet in the dataset's drift

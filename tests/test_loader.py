@@ -11,7 +11,9 @@ from collections import Counter, namedtuple
 import numpy as np
 import pytest
 from processes import dataecho_threads
-from support import PAYLOAD, InjectedFault, Records, checked_ids, join_all, payload_of, start, take_refused
+from support import (
+    PAYLOAD, InjectedFault, Records, checked_ids, join_all, payload_of, spy_on_last_stage, start, take_refused,
+)
 
 import dataecho
 
@@ -410,16 +412,7 @@ def test_torch_output_shares_the_native_batch_memory(seed):
     torch = pytest.importorskip("torch")
     loader = dataecho.EchoLoader(Records(256), batch_size=32, echo_factor=1, output="torch", seed=seed)
     epoch = iter(loader)
-    native = []
-    last = epoch.stages[-1]
-    upstream = last.next
-
-    def spy(timeout_s=None):
-        batch = upstream(timeout_s)
-        native.append({a.ctypes.data for a in batch.arrays})
-        return batch
-
-    last.next = spy
+    native = spy_on_last_stage(epoch)
     batch = next(epoch)
     assert isinstance(batch["payload"], torch.Tensor) and batch["payload"].shape == (32, PAYLOAD)
     assert {batch["payload"].data_ptr(), batch["id"].data_ptr()} == native[-1], "no copy"

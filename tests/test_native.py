@@ -24,6 +24,7 @@ NATIVE_TESTS = [
     "buffer_accounting",
     "buffer_fractional_drop_last",
     "buffer_deterministic",
+    "buffer_in_order",
     "buffer_snapshot",
     "buffer_timeouts",
     "buffer_close",

@@ -30,13 +30,14 @@ def dataecho_workers():
 
 @pytest.fixture(autouse=True)
 def nothing_left_behind():
-    before = set(shm_segments())
+    # This process's segments only: other runs on the machine have their own.
+    before = set(shm_segments(os.getpid()))
     yield
     deadline = time.monotonic() + 3
-    while (dataecho_workers() or set(shm_segments()) - before) and time.monotonic() < deadline:
+    while (dataecho_workers() or set(shm_segments(os.getpid())) - before) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not dataecho_workers(), f"a worker process outlived its epoch: {descendants()}"
-    assert set(shm_segments()) <= before, "a shared-memory segment was left in /dev/shm"
+    assert set(shm_segments(os.getpid())) <= before, "a shared-memory segment was left in /dev/shm"
 
 
 def ids(batches):

@@ -46,7 +46,8 @@ void register_config(py::module_& m) {
       .def_readwrite("initial", &BufferConfig::initial)
       .def_readwrite("shared", &BufferConfig::shared)
       .def_readwrite("deterministic", &BufferConfig::deterministic)
-      .def_readwrite("exact_echo", &BufferConfig::exact_echo);
+      .def_readwrite("exact_echo", &BufferConfig::exact_echo)
+      .def_readwrite("in_order", &BufferConfig::in_order);
 }
 
 void register_stats(py::module_& m) {

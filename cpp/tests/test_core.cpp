@@ -444,6 +444,35 @@ std::string test_reservoir() {
     CHECK(r.size() == 0 && r.echoes_left() == 0);
   }
 
+  // (c2) In order: a FIFO over a ring that wraps many times, against a model
+  // queue; contents() lists the residents oldest first, and a restore keeps that.
+  {
+    const std::uint32_t capacity = 7;
+    Reservoir r(capacity, /*in_order=*/true);
+    std::vector<std::uint32_t> model;  // resident slots, oldest first
+    std::uint32_t next_slot = 0;
+    for (int step = 0; step < 20000; ++step) {
+      if (model.size() < capacity && (rng.below(2) == 0 || model.empty())) {
+        const std::uint32_t slot = next_slot++ % 1000 % capacity;  // a slot no resident holds
+        if (std::find(model.begin(), model.end(), slot) != model.end()) continue;
+        r.add(slot, 1);
+        model.push_back(slot);
+      } else {
+        const auto d = r.draw_first();
+        CHECK_MSG(d.slot == model.front() && d.last, "drew " << d.slot << ", the oldest is " << model.front());
+        model.erase(model.begin());
+        ++draws_checked;
+      }
+      CHECK(r.size() == model.size() && r.available() == r.size() && r.echoes_left() == model.size());
+    }
+    const auto contents = r.contents();
+    CHECK(contents.size() == model.size());
+    for (std::size_t i = 0; i < model.size(); ++i) CHECK(contents[i].first == model[i]);
+    Reservoir restored(capacity, /*in_order=*/true);
+    restored.restore(contents, contents.size());
+    for (std::uint32_t slot : model) CHECK(restored.draw_first().slot == slot);
+  }
+
   // (d) Uniformity: the first draw of a batch over 10 residents, and the order
   // of a full batch over 3 residents (all 6 permutations equally likely).
   {
@@ -1022,11 +1051,13 @@ struct Plan {
   std::size_t capacity, batch;
   double echo;
   std::uint64_t items, seed;
+  bool in_order = false;
 };
 
 BufferConfig config_of(const Plan& plan) {
   BufferConfig config = make_config(plan.capacity, plan.batch, plan.echo, plan.seed);
   config.deterministic = true;
+  config.in_order = plan.in_order;
   return config;
 }
 
@@ -1166,6 +1197,37 @@ std::string test_buffer_snapshot() {
   std::ostringstream s;
   s << "4 producers, deterministic order; " << resumes << " resumes from snapshots between batches and " << starved
     << " taken while waiting for input, each equal to the uninterrupted run";
+  return s.str();
+}
+
+// In order (deterministic intake, echo 1, FIFO draws): four producers racing,
+// and the batches still hold 0, 1, 2, ... in order, the last one short; a
+// resume from a snapshot at any batch goes on in order.
+std::string test_buffer_in_order() {
+  using namespace snapshot_test;
+  const std::uint64_t n = std::max<std::uint64_t>(2001, g_options.items / 400 + 1);
+  const Plan plans[] = {{64, 8, 1.0, n, run_seed(4200), true}, {6, 3, 1.0, n, run_seed(4201), true},
+                        {256, 100, 1.0, n, run_seed(4202), true}};
+  std::vector<std::uint64_t> expected(n);
+  for (std::uint64_t i = 0; i < n; ++i) expected[i] = i;
+  std::size_t resumes = 0;
+  for (const Plan& plan : plans) {
+    CHECK_MSG(run(plan, 0, nullptr) == expected, "capacity " << plan.capacity << ", batch " << plan.batch
+                                                             << ": not in order");
+    const std::size_t batches = (n + plan.batch - 1) / plan.batch;
+    for (std::size_t k : {std::size_t{1}, batches / 2, batches - 1}) {
+      Snapshot snapshot;
+      std::vector<std::uint64_t> order = run(plan, k, &snapshot);
+      const std::vector<std::uint64_t> rest = resume(plan, snapshot);
+      order.insert(order.end(), rest.begin(), rest.end());
+      CHECK_MSG(order == expected, "capacity " << plan.capacity << ", batch " << plan.batch
+                                               << ": resumed after batch " << k << " is not in order");
+      ++resumes;
+    }
+  }
+  std::ostringstream s;
+  s << "4 producers, " << n << " items in order in 3 configurations (short last batch), " << resumes
+    << " resumes in order";
   return s.str();
 }
 
@@ -1486,6 +1548,7 @@ const Test kTests[] = {
     {"buffer_accounting", test_buffer_accounting},
     {"buffer_fractional_drop_last", test_buffer_fractional_and_drop_last},
     {"buffer_deterministic", test_buffer_deterministic},
+    {"buffer_in_order", test_buffer_in_order},
     {"buffer_snapshot", test_buffer_snapshot},
     {"buffer_timeouts", test_buffer_timeouts},
     {"buffer_close", test_buffer_close},

@@ -30,6 +30,7 @@ class BufferConfig:
     shared: bool
     deterministic: bool
     exact_echo: bool
+    in_order: bool
     def __init__(self) -> None: ...
 
 class BufferStats:

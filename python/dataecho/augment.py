@@ -4,8 +4,11 @@ that this stage owns.
 
 ``augment`` receives one example (the structure ``transform`` produced) whose
 arrays are read-only views of the echo stage's batch, so an in-place change
-cannot reach a repeat. It may return a different structure (a crop, an added
-field): the output batches take the structure of its first result.
+cannot reach a repeat. A leaf of a torch dtype NumPy lacks (bfloat16, say)
+comes as a tensor of that dtype with memory of its own, as torch has no
+read-only tensors. It may return a different structure (a crop, an added
+field, such a tensor): the output batches take the structure of its first
+result.
 
 Each row taken from upstream gets a delivery number, in the order rows are
 taken (deterministic when the upstream is). When ``augment`` accepts a keyword
@@ -98,7 +101,7 @@ class AugmentStage:
         self._output_config = buffer_config(
             capacity=max(4 * config.batch_size, 256), batch_size=config.batch_size, seed=source.seeds[3],
             drop_last=config.drop_last, prefetch=config.prefetch, initial=config.batch_size,
-            deterministic=config.deterministic,
+            deterministic=config.deterministic, in_order=config.in_order,
         )
         self._pinned_batches, self._chunk = pinned_batches, config.batch_size
         self._setup = threading.Lock()
@@ -262,7 +265,7 @@ class AugmentStage:
             arrays = self._source.read_rows(self._structure, task.rows)
         views = read_only(arrays)
         for row, delivery in enumerate(task.deliveries.tolist()):
-            example = self._structure.unflatten([v[row] for v in views])
+            example = self._structure.unflatten([v[row] for v in views], copy_raw=True)
             try:
                 result = self._augment(example) if rng is None else self._augment(example, rng=rng.at(delivery))
             except StopIteration as stop:  # not this generator's end: an error (see Failure.set)

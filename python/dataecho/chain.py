@@ -64,7 +64,7 @@ def stage_names(config: LoaderConfig) -> list[str]:
     device stage's, whose batches in flight resume through final_replay, may
     be there too)."""
     names = ["intake", "intake_replay"]
-    if config.echo_at == "batch":
+    if config.echo_at == "batch" and not config.in_order:
         names.append("batch_echo")
     if config.augment is not None:
         names += ["augment", "augment_replay"]
@@ -109,12 +109,12 @@ def _build(chain: Chain, config: LoaderConfig, structure: Structure, source: Epo
     read_batch = intake.read_batch
     if exact:
         last = _add(chain, Replay("intake_replay", last, _after(states, "intake_replay", "intake"), read_batch))
-    if config.echo_at == "batch":
+    if config.echo_at == "batch" and not config.in_order:  # in order, batch echo at 1 would only mix
         echo = None if config.echo_factor == "auto" else float(config.echo_factor)
         # torch has no read-only tensors: where its tensors view the batch memory
         # (no augment, no device copy), a repeat is delivered from its own memory.
-        copy = intake.copy_arrays if config.output == "torch" and config.augment is None and config.device is None \
-            else None
+        tensors = config.output == "torch" or any(structure.torch_dtypes)  # bfloat16 leaves are tensors too
+        copy = intake.copy_arrays if tensors and config.augment is None and config.device is None else None
         last = _add(chain, BatchEchoStage(last, config.shuffle_buffer, config.batch_size, echo, config.max_echo,
                                           source.seeds[1], exact=config.exact_echo, resume=states.get("batch_echo"),
                                           read_batch=read_batch, copy_repeats=copy))

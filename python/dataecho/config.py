@@ -67,6 +67,12 @@ class LoaderConfig:
         return is_map_style(self.source)
 
     @property
+    def in_order(self) -> bool:
+        """Batches hold the examples in reading order (``shuffle=False`` at echo
+        1; thread workers or a map-style source): the buffers draw first in, first out."""
+        return not self.shuffle and self.echo_factor == 1 and (self.map_style or self.worker_type == "thread")
+
+    @property
     def exact_echo(self) -> bool:
         """Echo counts by position (exactly floor(n * e) deliveries of n examples):
         deterministic order needs them, and so do equal batch counts on every rank."""
@@ -115,13 +121,16 @@ def loader_config(**arguments: Any) -> LoaderConfig:
         if a[name] is not None and not callable(a[name]):
             raise TypeError(f"{name}: expected a callable or None, got {type(a[name]).__name__}")
     deterministic = _checks.flag("deterministic", a["deterministic"])
-    shuffle_buffer = _check_shuffle_buffer(a["shuffle_buffer"], batch_size, echo_at, a["augment"] is not None,
-                                           deterministic)
     shard = resolve_shard(a["rank"], a["world_size"])
     # Ranks must agree on the epoch's permutation: a common seed.
     seed = _checks.seed(0 if a["seed"] is None and shard.world_size > 1 else a["seed"])
     echo_factor = _check_echo(a["echo_factor"], deterministic, shard)
     sampler, shuffle = _check_sampler(a["sampler"], a["shuffle"], source)
+    # shuffle=False at echo 1: batches in reading order, which deterministic intake gives.
+    in_order = not shuffle and echo_factor == 1 and (is_map_style(source) or worker_type == "thread")
+    shuffle_buffer = _check_shuffle_buffer(a["shuffle_buffer"], batch_size, echo_at, a["augment"] is not None,
+                                           deterministic, in_order)
+    deterministic = deterministic or in_order
     config = LoaderConfig(
         source=source, batch_size=batch_size, echo_factor=echo_factor, echo_at=echo_at,
         transform=a["transform"], augment=a["augment"], shuffle_buffer=shuffle_buffer,
@@ -171,18 +180,24 @@ def _check_source(source: Any, worker_type: str) -> Any:
     return source
 
 
-def _check_shuffle_buffer(value: Any, batch_size: int, echo_at: str, augment: bool, deterministic: bool) -> int:
-    if value is None:
-        value = DEFAULT_BATCHES if echo_at == "batch" else DEFAULT_EXAMPLES
-    else:
+def _check_shuffle_buffer(value: Any, batch_size: int, echo_at: str, augment: bool, deterministic: bool,
+                          in_order: bool) -> int:
+    given = value is not None
+    if given:
         value = _checks.positive_int("shuffle_buffer", value, _core.MAX_CAPACITY)
+    else:
+        value = DEFAULT_BATCHES if echo_at == "batch" else DEFAULT_EXAMPLES
     if echo_at == "example" and value < batch_size:
         raise ValueError(f"shuffle_buffer: {value} examples cannot hold a batch of {batch_size}")
-    if echo_at == "example" and deterministic and value < 2 * batch_size:
+    if echo_at == "example" and (in_order or (deterministic and not given)):
+        # Room for the reorder window (below); in order nothing is mixed, so its size is free.
+        value = min(max(value, 2 * batch_size), _core.MAX_CAPACITY)
+    if echo_at == "example" and (deterministic or in_order) and value < 2 * batch_size:
         # Examples that arrive ahead of their turn wait in slots (up to a batch of
         # them) beside the resident ones: with less room, intake could stall.
         raise ValueError(
-            f"shuffle_buffer: with deterministic=True, expected at least 2 * batch_size = {2 * batch_size} "
+            f"shuffle_buffer: with {'deterministic=True' if deterministic else 'shuffle=False (in order)'}, "
+            f"expected at least 2 * batch_size = {2 * batch_size} "
             f"examples (a batch's worth may wait out of order beside the resident ones), got {value}"
         )
     # An epoch's native buffers hold at most MAX_CAPACITY examples each:

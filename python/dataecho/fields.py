@@ -161,7 +161,9 @@ def to_field_array(value: Any, field: Field, rows: int | None, where: str) -> np
         try:
             array = np.asarray(value)
         except (TypeError, ValueError, OverflowError) as exc:
-            raise TypeError(f"{where}: {field.label()} could not be read as an array: {exc}") from None
+            raise TypeError(
+                f"{where}: {field.label()} could not be read as an array: {exc}{_torch_dtype_hint(value)}"
+            ) from None
         if array.dtype.hasobject:
             raise TypeError(
                 f"{where}: {field.label()} expected {field.dtype} values, got {_describe(value)}"
@@ -277,6 +279,19 @@ def _first_beyond(values: list, limit: int) -> Any:
             if math.isfinite(part) and abs(part) >= limit:
                 return value
     return None
+
+
+def _torch_dtype_hint(value: Any) -> str:
+    """For a dense CPU tensor that NumPy cannot read, so of a dtype NumPy lacks
+    (bfloat16, float8_*, complex32, ...): how to put it all the same."""
+    if not type(value).__module__.startswith("torch") or getattr(value, "is_quantized", True):
+        return ""
+    if str(value.layout) != "torch.strided" or value.device.type != "cpu" or value.requires_grad:
+        return ""
+    bits = 8 * value.element_size()
+    return (f"; a field has a NumPy dtype: declare it as int{bits} and put tensor.view(torch.int{bits}) (view "
+            f"the batch back with torch.from_numpy(batch).view({value.dtype})), or use EchoLoader, which "
+            f"carries {value.dtype} tensors")
 
 
 def _describe(value: Any) -> str:

@@ -83,7 +83,7 @@ class IntakeStage:
             # shuffle behind them still grows to its capacity.
             initial=0 if per_example else config.batch_size,
             shared=config.worker_type == "process", deterministic=config.deterministic,
-            exact_echo=config.exact_echo and per_example,
+            exact_echo=config.exact_echo and per_example, in_order=config.in_order,
         )
 
     def _start(self, first: Any, resume: dict[str, Any] | None, failure: Failure,

@@ -13,6 +13,7 @@ stages (:mod:`dataecho.chain`) is::
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from typing import Any, Callable
@@ -79,15 +80,18 @@ class EchoLoader:
             thread when a batch is asked for, as DataLoader(num_workers=0).
         shuffle: map-style sources: a new random order every epoch (default
             True, False with a ``sampler``). With False the reading order is the
-            dataset's; the echo buffer still mixes what it holds.
+            dataset's (or the sampler's), and at ``echo_factor=1`` the batches
+            follow it exactly, as DataLoader's; with echo > 1 the echo buffer
+            still mixes what it holds, to spread the repeats apart.
         seed: seeds the order, the shuffle, the echo draws and ``augment``'s
-            generators; None draws one. With ``workers=1`` and a fixed factor, a
-            seed gives a repeatable order.
+            generators; None draws one.
         drop_last: drop the last batch of an epoch if it is short.
         prefetch: batches assembled ahead of the consumer (default 2; or
             DataLoader's ``prefetch_factor`` times ``workers``).
         max_echo: cap on deliveries per example (batch) when echo_factor="auto".
         output: ``"numpy"`` or ``"torch"`` (tensors that share the batch memory).
+            A leaf of a torch dtype NumPy lacks (``bfloat16``, ``float8_*``) is
+            a tensor of its dtype over the batch memory with either output.
         pin_memory: batch memory is page-locked, allocated once; without CUDA
             a warning, and unpinned memory (as DataLoader).
         device: a torch device; each batch is copied there on a side stream,
@@ -196,10 +200,10 @@ class EchoLoader:
         with self._starting:  # two threads starting epochs at once: one after the other
             current = self._current
             if current is not None:
-                current.supersede()
+                current.supersede()  # if it yielded nothing, it gives back its number and resume state
             resume, self._resume = self._resume, None
             epoch = Epoch(self.config, self._numbers.next, self._structure, resume["stages"] if resume else None,
-                          self._totals.add, owner=self)
+                          functools.partial(_ended, self, resume), owner=self)
             self._structure = self._structure or epoch.structure
             self._current_ref = weakref.ref(epoch)
             self._numbers.started()
@@ -227,14 +231,10 @@ class EchoLoader:
     # ---- checkpoints ----
 
     def state_dict(self) -> dict[str, Any]:
-        """Where iteration stands, to resume from with ``load_state_dict`` (the
-        convention of torchdata's ``StatefulDataLoader``); see dataecho.checkpoint
-        for what it holds. Take it between batches, in the consumer's thread.
-
-        Map-style sources: exact resume needs ``deterministic=True`` (and an
-        ``augment`` that takes ``rng``); then the resumed loader yields exactly
-        the batches this one would have yielded next. Iterable sources: a
-        skip-ahead count (resident examples are not restored).
+        """Where iteration stands, to resume from with ``load_state_dict`` (as
+        torchdata's ``StatefulDataLoader``), taken between batches in the
+        consumer's thread. Exact for map-style sources with ``deterministic=True``
+        (and an ``augment`` that takes ``rng``); see dataecho.checkpoint.
 
         Raises:
             ValueError: a loader whose position cannot be saved mid-epoch (the
@@ -275,8 +275,7 @@ class EchoLoader:
             current.close()
 
     def stats(self, flat: bool = False, prefix: str = "dataecho/") -> dict[str, Any]:
-        """Counters over every epoch and for the current one; ``flat=True``: as
-        {``prefix`` + "a/b": number} for a metrics logger (see dataecho.stats)."""
+        """Counters over every epoch and the current one; ``flat=True`` for a metrics logger (dataecho.stats)."""
         return self._totals.stats(self._current, self._numbers.last, flat, prefix)
 
     def __enter__(self) -> EchoLoader:
@@ -288,3 +287,12 @@ class EchoLoader:
     def __del__(self) -> None:
         if "_current_ref" in self.__dict__:
             self.close()
+
+
+def _ended(loader: EchoLoader, resume: dict[str, Any] | None, counters: dict[str, Any], workers: list) -> None:
+    """An epoch of ``loader`` ended; ``resume``: the checkpoint it started from, if any."""
+    loader._totals.add(counters, workers)
+    if counters["batches"] == 0 and counters["state"] == "stopped":  # as if never started
+        loader._numbers.give_back(counters["epoch"])
+        if resume is not None and loader._resume is None:
+            loader._resume = resume

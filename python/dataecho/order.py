@@ -89,6 +89,8 @@ class EpochNumbers:
     convention: at the start of each epoch, the same number on every rank), the
     number is what was set, and an extra ``iter()`` (a peek at one batch) does
     not move it, so the ranks of a data-parallel job stay on one permutation.
+    An epoch left before its first batch does not count (Lightning calls
+    ``iter()`` once to check a loader, then again for its first epoch).
 
     Attributes:
         next: the number the next epoch runs.
@@ -110,6 +112,13 @@ class EpochNumbers:
         self.last = self.next
         if not self._set:
             self.next += 1
+
+    def give_back(self, number: int) -> None:
+        """Epoch ``number`` ended before its first batch (a tool checking that
+        the loader iterates): the next ``iter()`` runs it again, unless a later
+        one has started or ``set_epoch`` decided."""
+        if not self._set and self.next == number + 1:
+            self.next = number
 
 
 class LoaderSampler:

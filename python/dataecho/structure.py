@@ -5,6 +5,12 @@ Leaves may be NumPy arrays or scalars, Python ``bool``/``int``/``float``, or
 torch CPU tensors. A batch has the same structure with each leaf stacked along a
 new leading axis. Leaves are named by their path (``"image"``, ``"0"``,
 ``"meta/label"``), which is how errors refer to them.
+
+A tensor of a dtype NumPy lacks (``torch.bfloat16``, ``float8_*``,
+``complex32``, ...) is a *raw* leaf: it is stored as its bytes, an unsigned
+integer of the same item size (bfloat16 as uint16), and ``unflatten`` gives it
+back as a tensor of its dtype over the same memory, bit for bit, whatever the
+other leaves become. Every later example must have a tensor of that dtype there.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
+
+from .torch_support import raw_bytes, raw_to_tensor
 
 __all__ = ["Structure", "key_mismatch", "read_only"]
 
@@ -31,7 +39,11 @@ def as_leaf_array(value: Any, path: str) -> np.ndarray:
     if _is_torch_tensor(value):
         if value.device.type != "cpu":
             raise TypeError(f"example: leaf {path!r} is a torch tensor on {value.device}; expected a CPU tensor")
-        return value.detach().numpy()
+        try:
+            return value.detach().numpy()
+        except TypeError as exc:  # a dtype NumPy lacks (bfloat16, say): allowed only where the first example had it
+            raise TypeError(f"example: leaf {path!r} is a {value.dtype} tensor, which NumPy cannot read ({exc}), "
+                            f"where the first example had a NumPy dtype") from None
     if isinstance(value, _SCALARS):
         return np.asarray(value)
     raise TypeError(
@@ -39,12 +51,23 @@ def as_leaf_array(value: Any, path: str) -> np.ndarray:
     )
 
 
+def _raw_leaf(value: Any, dtype_name: str, path: str) -> np.ndarray:
+    """The bytes of a later example's leaf where the first had a raw leaf (see above)."""
+    if not _is_torch_tensor(value) or str(value.dtype) != dtype_name:
+        got = f"a {value.dtype} tensor" if _is_torch_tensor(value) else f"a {type(value).__name__}"
+        raise TypeError(f"example: leaf {path!r} is {got}; expected a {dtype_name} tensor, as in the first example")
+    if value.device.type != "cpu":
+        raise TypeError(f"example: leaf {path!r} is a torch tensor on {value.device}; expected a CPU tensor")
+    return raw_bytes(value, path)
+
+
 @dataclass(frozen=True)
 class _Node:
-    kind: str  # "leaf", "dict", "tuple", "list", "namedtuple"
+    kind: str  # "leaf", "raw" (a leaf of a torch dtype NumPy lacks), "dict", "tuple", "list", "namedtuple"
     keys: tuple = ()  # dict keys, in first-seen order
     children: tuple = ()
     type_: type | None = None  # namedtuple class
+    torch_dtype: str | None = None  # a raw leaf's dtype, str(dtype): "torch.bfloat16"
 
 
 class Structure:
@@ -52,24 +75,32 @@ class Structure:
 
     Attributes:
         paths: leaf paths, in flattening order.
-        specs: ``(shape, dtype)`` per leaf, from the example it was inferred from.
+        specs: ``(shape, dtype)`` per leaf, from the example it was inferred from;
+            a raw leaf's dtype is the unsigned integer that stores its bytes.
+        torch_dtypes: per leaf, a raw leaf's torch dtype (``"torch.bfloat16"``),
+            else None.
     """
 
-    def __init__(self, root: _Node, paths: list[str], specs: list[tuple[tuple[int, ...], np.dtype]]):
+    def __init__(self, root: _Node, paths: list[str], specs: list[tuple[tuple[int, ...], np.dtype]],
+                 torch_dtypes: list[str | None] | None = None):
         self._root = root
         self.paths = paths
         self.specs = specs
+        self.torch_dtypes = torch_dtypes or [None] * len(paths)
+        self._has_raw = any(name is not None for name in self.torch_dtypes)
 
     @classmethod
     def infer(cls, example: Any) -> Structure:
         """Infers the structure of ``example``.
 
         Raises:
-            TypeError: a leaf is neither an array, a number nor a CPU tensor, or a
-                dict key is not a str.
+            TypeError: a leaf is neither an array, a number nor a CPU tensor, is
+                a tensor that cannot be stored (quantized, sparse), or a dict
+                key is not a str.
         """
         paths: list[str] = []
         specs: list[tuple[tuple[int, ...], np.dtype]] = []
+        torch_dtypes: list[str | None] = []
 
         def visit(value: Any, path: str) -> _Node:
             if isinstance(value, Mapping):
@@ -84,22 +115,23 @@ class Structure:
             if isinstance(value, (tuple, list)):
                 kind = "tuple" if isinstance(value, tuple) else "list"
                 return _Node(kind, (), tuple(visit(v, _join(path, str(i))) for i, v in enumerate(value)))
-            array = as_leaf_array(value, path or "example")
+            array, torch_dtype = _first_leaf(value, path or "example")
             if array.dtype.hasobject:
                 raise TypeError(f"example: leaf {path or 'example'!r} holds Python objects ({array.dtype})")
             paths.append(path)
             specs.append((array.shape, array.dtype))
-            return _Node("leaf")
+            torch_dtypes.append(torch_dtype)
+            return _Node("leaf") if torch_dtype is None else _Node("raw", torch_dtype=torch_dtype)
 
         root = visit(example, "")
         if not paths:
             raise TypeError("example: it holds no arrays")
-        return cls(root, paths, specs)
+        return cls(root, paths, specs, torch_dtypes)
 
     @property
     def single(self) -> bool:
         """True when the example is one array (no dict, tuple or list around it)."""
-        return self._root.kind == "leaf"
+        return self._root.kind in ("leaf", "raw")
 
     def fields(self) -> Any:
         """The ShuffleBuffer ``fields`` declaration for this structure.
@@ -126,8 +158,25 @@ class Structure:
         _flatten(self._root, example, "", leaves)
         return leaves
 
-    def unflatten(self, leaves: Sequence[Any], wrap: Callable[[Any], Any] | None = None) -> Any:
-        """Builds the tree back from leaves in flattening order; ``wrap`` maps each leaf."""
+    def unflatten(self, leaves: Sequence[Any], wrap: Callable[[Any], Any] | None = None,
+                  copy_raw: bool = False) -> Any:
+        """Builds the tree back from leaves in flattening order.
+
+        Args:
+            leaves: one array (or batch of arrays, or tensor) per leaf.
+            wrap: maps each leaf (``to_torch``, say), raw leaves excepted.
+            copy_raw: raw leaves get memory of their own, for code that may
+                write to them; by default they view their leaf's memory.
+
+        Returns:
+            The tree, with each raw leaf a torch tensor of its dtype (see above).
+        """
+        if self._has_raw:
+            leaves = [
+                raw_to_tensor(leaf, name, copy_raw) if name is not None else leaf if wrap is None else wrap(leaf)
+                for leaf, name in zip(leaves, self.torch_dtypes)
+            ]
+            wrap = None
         it = iter(leaves if wrap is None else map(wrap, leaves))
         return _build(self._root, it)
 
@@ -149,6 +198,17 @@ def read_only(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
     return tuple(views)
 
 
+def _first_leaf(value: Any, path: str) -> tuple[np.ndarray, str | None]:
+    """A leaf of the example a structure is inferred from, as an array, and its
+    torch dtype when it is a raw leaf (else None)."""
+    if not _is_torch_tensor(value) or value.device.type != "cpu":
+        return as_leaf_array(value, path), None  # which refuses a tensor on another device
+    try:
+        return value.detach().numpy(), None
+    except TypeError:  # a dtype NumPy lacks, or not a dense tensor: raw_bytes tells which
+        return raw_bytes(value, path), str(value.dtype)
+
+
 def _join(path: str, key: str) -> str:
     return f"{path}/{key}" if path else key
 
@@ -159,6 +219,9 @@ def _flatten(node: _Node, value: Any, path: str, out: list[Any]) -> None:
         if isinstance(value, (Mapping, list)) or (isinstance(value, tuple)):
             raise TypeError(f"example: expected an array at {where!r}, got a {type(value).__name__}")
         out.append(as_leaf_array(value, path or "example") if _is_torch_tensor(value) else value)
+        return
+    if node.kind == "raw":
+        out.append(_raw_leaf(value, node.torch_dtype, path or "example"))
         return
     if node.kind == "dict":
         if not isinstance(value, Mapping):
@@ -181,7 +244,7 @@ def _flatten(node: _Node, value: Any, path: str, out: list[Any]) -> None:
 
 
 def _build(node: _Node, leaves: Any) -> Any:
-    if node.kind == "leaf":
+    if node.kind == "leaf" or node.kind == "raw":
         return next(leaves)
     if node.kind == "dict":
         return {key: _build(child, leaves) for key, child in zip(node.keys, node.children)}

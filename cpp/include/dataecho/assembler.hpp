@@ -53,7 +53,7 @@ class Assembler {
         stop_(stop),
         desk_(desk),
         echoes_(config.auto_echo ? config.max_echo : config.echo_factor),
-        reservoir_(config.capacity),
+        reservoir_(config.capacity, config.in_order),
         rng_(config.seed),
         full_(std::max({config.batch_size, config.capacity - config.batch_size, config.initial})) {}
 

@@ -40,6 +40,9 @@ struct BufferConfig {
   // without reordering intake: the number of deliveries of n examples is then
   // exact, which data-parallel ranks need to yield equally many batches.
   bool exact_echo = false;
+  // Draws in intake order instead of at random (a FIFO): with deterministic
+  // intake and an echo factor of 1, batches hold the examples in sequence order.
+  bool in_order = false;
   // Resume (deterministic only): the assembler starts from this state, once the
   // resident examples it names have been put again with their numbers.
   std::shared_ptr<const Snapshot> restore;
@@ -76,6 +79,7 @@ inline BufferConfig validated(BufferConfig config) {
   // Deterministic intake: up to batch_size - 1 examples wait out of order beside
   // the resident ones (at most capacity - batch_size): both must fit.
   DATAECHO_CHECK(!config.deterministic || config.capacity >= 2 * config.batch_size);
+  DATAECHO_CHECK(!config.in_order || (config.deterministic && config.echo_factor == 1.0 && !config.auto_echo));
   if (config.restore) {
     const Snapshot& s = *config.restore;
     DATAECHO_CHECK(config.deterministic && s.seqs.size() == s.echoes.size() && s.seqs.size() <= config.capacity &&

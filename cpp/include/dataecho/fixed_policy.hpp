@@ -1,6 +1,6 @@
 // Assembly with a fixed echo factor: fill the reservoir to its target, then
 // draw a batch uniformly among the resident examples, without replacement
-// within the batch.
+// within the batch (or, in order, the oldest resident ones: a FIFO).
 //
 // Fill policy. Before batch k the assembler takes in committed examples until
 // min(full, max(initial, batch_size) + k * batch_size) are resident: the first
@@ -35,7 +35,11 @@ inline Step assemble_fixed(Assembler& a, std::uint64_t k) {
   }
   Batch batch = a.new_batch(rows);
   reservoir.begin_batch();
-  for (std::size_t row = 0; row < rows; ++row) a.gather_row(reservoir.draw(a.rng()), batch, row);
+  if (config.in_order) {
+    for (std::size_t row = 0; row < rows; ++row) a.gather_row(reservoir.draw_first(), batch, row);
+  } else {
+    for (std::size_t row = 0; row < rows; ++row) a.gather_row(reservoir.draw(a.rng()), batch, row);
+  }
   a.push(std::move(batch));
   return Step::kBatch;
 }

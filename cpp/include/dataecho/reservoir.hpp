@@ -11,6 +11,10 @@
 // A draw picks uniformly in its region and moves the pick to the drawn side, so a
 // batch repeats an example only once every resident one has been drawn, which
 // can only happen when fewer than batch_size examples are resident.
+//
+// In order (every example delivered once): a FIFO instead. slots_ is a ring
+// whose oldest entry is at head_, every draw takes the oldest, and nothing is
+// ever "drawn in this batch" (available() == size()). head_ is 0 otherwise.
 #pragma once
 
 #include <cstddef>
@@ -25,7 +29,8 @@ namespace dataecho {
 
 class Reservoir {
  public:
-  explicit Reservoir(std::size_t capacity) : slots_(capacity), echoes_(capacity, 0) {}
+  explicit Reservoir(std::size_t capacity, bool in_order = false)
+      : slots_(capacity), echoes_(capacity, 0), in_order_(in_order) {}
 
   std::size_t size() const noexcept { return size_; }
   std::size_t available() const noexcept { return available_; }
@@ -36,6 +41,13 @@ class Reservoir {
   // (fixed echo: every example is drawn uniformly among all).
   void add(std::uint32_t slot, std::uint32_t echoes) noexcept {
     admit(slot, echoes);
+    if (in_order_) {
+      DATAECHO_CHECK(echoes == 1);
+      slots_[ring(size_)] = slot;
+      ++available_;
+      ++size_;
+      return;
+    }
     slots_[size_] = slots_[available_];
     slots_[available_] = slot;
     ++available_;
@@ -44,6 +56,7 @@ class Reservoir {
 
   // A new example that draw_fresh() prefers until its first delivery (auto echo).
   void add_fresh(std::uint32_t slot, std::uint32_t echoes) noexcept {
+    DATAECHO_CHECK(!in_order_);
     admit(slot, echoes);
     slots_[size_] = slots_[available_];
     slots_[available_] = slots_[fresh_];
@@ -63,9 +76,21 @@ class Reservoir {
 
   // Uniform among all drawable examples (fixed echo: there are no fresh ones).
   Draw draw(Rng& rng) noexcept {
-    DATAECHO_CHECK(size_ > 0 && fresh_ == 0);
+    DATAECHO_CHECK(size_ > 0 && fresh_ == 0 && !in_order_);
     if (available_ == 0) available_ = size_;  // fewer residents than draws: repeat
     return take(rng.below(available_));
+  }
+
+  // In order: the oldest resident example, its only delivery.
+  Draw draw_first() noexcept {
+    DATAECHO_CHECK(in_order_ && size_ > 0);
+    const std::uint32_t slot = slots_[head_];
+    head_ = ring(1);
+    --size_;
+    --available_;
+    echoes_[slot] = 0;
+    --echoes_left_;
+    return {slot, true};
   }
 
   // Uniform among the never-delivered examples; requires fresh() > 0.
@@ -92,7 +117,7 @@ class Reservoir {
   // The resident slots in array order (draws depend on it) with their echo counts.
   std::vector<std::pair<std::uint32_t, std::uint32_t>> contents() const {
     std::vector<std::pair<std::uint32_t, std::uint32_t>> out;
-    for (std::size_t i = 0; i < size_; ++i) out.emplace_back(slots_[i], echoes_[slots_[i]]);
+    for (std::size_t i = 0; i < size_; ++i) out.emplace_back(slots_[ring(i)], echoes_[slots_[ring(i)]]);
     return out;
   }
 
@@ -100,6 +125,7 @@ class Reservoir {
   // available() it had; fixed echo only (nothing is fresh).
   void restore(const std::vector<std::pair<std::uint32_t, std::uint32_t>>& contents, std::size_t available) {
     DATAECHO_CHECK(size_ == 0 && contents.size() <= slots_.size() && available <= contents.size());
+    head_ = 0;
     for (const auto& [slot, echoes] : contents) {
       admit(slot, echoes);
       slots_[size_++] = slot;
@@ -111,10 +137,10 @@ class Reservoir {
   template <class OnSlot>
   void clear(OnSlot&& on_slot) {
     for (std::size_t i = 0; i < size_; ++i) {
-      echoes_[slots_[i]] = 0;
-      on_slot(slots_[i]);
+      echoes_[slots_[ring(i)]] = 0;
+      on_slot(slots_[ring(i)]);
     }
-    size_ = available_ = fresh_ = 0;
+    size_ = available_ = fresh_ = head_ = 0;
     echoes_left_ = 0;
   }
 
@@ -122,7 +148,7 @@ class Reservoir {
   // echo, to make room for fresh ones); only between batches (available() ==
   // size()). Returns the slot and the echoes it gave up.
   std::pair<std::uint32_t, std::uint32_t> evict_seen(Rng& rng) noexcept {
-    DATAECHO_CHECK(available_ == size_ && size_ > fresh_);
+    DATAECHO_CHECK(available_ == size_ && size_ > fresh_ && !in_order_);
     const std::size_t pick = fresh_ + rng.below(size_ - fresh_);
     const std::uint32_t slot = slots_[pick];
     const std::uint32_t echoes = std::exchange(echoes_[slot], 0);
@@ -138,6 +164,12 @@ class Reservoir {
     DATAECHO_CHECK(size_ < slots_.size() && slot < echoes_.size() && echoes >= 1 && echoes_[slot] == 0);
     echoes_[slot] = echoes;
     echoes_left_ += echoes;
+  }
+
+  // The i-th oldest entry's index in slots_ (in order; i itself otherwise, as head_ is 0).
+  std::size_t ring(std::size_t i) const noexcept {
+    i += head_;
+    return i >= slots_.size() ? i - slots_.size() : i;
   }
 
   // The drawn-this-batch examples become drawable again, as seen ones.
@@ -163,6 +195,8 @@ class Reservoir {
   std::size_t available_ = 0;
   std::size_t fresh_ = 0;
   std::uint64_t echoes_left_ = 0;
+  bool in_order_;
+  std::size_t head_ = 0;  // in order: the ring's oldest entry
 };
 
 }  // namespace dataecho
