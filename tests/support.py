@@ -480,11 +480,12 @@ def child_script(code: str) -> str:
     return CHILD_PRELUDE + textwrap.dedent(code)
 
 
-def kill_owner(loader_args: str, settle_s: float = 1.0, within_s: float = 5.0) -> dict[int, str]:
+def kill_owner(loader_args: str, settle_s: float = 1.0, within_s: float = 5.0,
+               start: str = "it = iter(loader)") -> dict[int, str]:
     """Starts a process that builds ``EchoLoader(<loader_args>)`` with worker
-    processes and starts an epoch, SIGKILLs it after `settle_s`, and returns the
-    processes it had started (workers, forkserver, resource tracker) still
-    running `within_s` later; any left are killed before returning."""
+    processes and runs `start` (starts an epoch), SIGKILLs it after `settle_s`,
+    and returns the processes it had started (workers, forkserver, resource
+    tracker) still running `within_s` later; any left are killed before returning."""
     from processes import family, pid_alive
 
     script = child_script(
@@ -494,7 +495,7 @@ def kill_owner(loader_args: str, settle_s: float = 1.0, within_s: float = 5.0) -
         from support import ExitAt, Records, Stall, Stream
         if __name__ == "__main__":
             loader = dataecho.EchoLoader({loader_args})
-            it = iter(loader)
+            {start}
             time.sleep({settle_s})
             print("ready", flush=True)
             time.sleep(60)

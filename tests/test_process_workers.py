@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from processes import descendants, shm_segments, worker_processes
 from support import (
-    ExitAt, InjectedFault, Records, Stream, checked_ids, child_script, kill_owner, suicide_at_500,
-    with_pid_and_tensor,
+    ExitAt, InjectedFault, MarkedRecords, Records, Stream, checked_ids, child_script, kill_owner, mark_worker,
+    suicide_at_500, wait_for, with_pid, with_pid_and_tensor, worker_pids,
 )
 
 import dataecho
@@ -269,3 +269,89 @@ def test_a_region_larger_than_dev_shm_is_a_clear_error():
     slots = too_big // (1 << 20) + 1
     with pytest.raises(RuntimeError, match="cannot reserve .* in /dev/shm"):
         NativeBuffer(parse_fields(((1 << 20,), "uint8"))[0], buffer_config(capacity=slots, batch_size=1, shared=True))
+
+
+# ---- persistent_workers ----
+
+
+def persistent(source, **kwargs) -> dataecho.EchoLoader:
+    args = {"batch_size": 16, "echo_factor": 1, "workers": 2, "worker_type": "process", "transform": with_pid,
+            "persistent_workers": True}
+    return dataecho.EchoLoader(source, **{**args, **kwargs})
+
+
+def epoch_of(loader, n: int) -> set[int]:
+    """Runs an epoch, checks that it gave each of the n examples once; returns
+    the pids of the loader's worker processes, after checking that they read
+    every example but the one read here (the first, to learn the structure)."""
+    seen, pids = Counter(), Counter()
+    for batch in loader:
+        seen.update(checked_ids(batch).tolist())
+        pids.update(batch["pid"].tolist())
+    assert seen == Counter(range(n))
+    workers = set(worker_pids(loader))
+    assert len(workers) == 2 and set(pids) - {os.getpid()} <= workers and pids[os.getpid()] <= 1
+    return workers
+
+
+@pytest.mark.parametrize("source", ["map", "iterable"])
+def test_persistent_workers_serve_every_epoch(source, seed):
+    n = 600
+    with persistent(Records(n) if source == "map" else Stream(n), seed=seed) as loader:
+        workers = epoch_of(loader, n)
+        for _ in range(3):
+            assert epoch_of(loader, n) == workers, "new worker processes for a later epoch"
+        loader.close()
+        assert not worker_processes()
+        assert not epoch_of(loader, n) & workers, "closed workers came back"
+
+
+def test_persistent_workers_outlive_an_epoch_left_early(seed):
+    with persistent(Records(5000), seed=seed) as loader:
+        epoch = iter(loader)
+        for _ in range(3):
+            next(epoch)
+        workers = set(worker_pids(loader))
+        del epoch  # a loop left early: the workers stop reading and wait for the next epoch
+        assert epoch_of(loader, 5000) == workers
+
+
+def test_persistent_workers_are_replaced_after_a_failure_or_a_death(seed):
+    with persistent(Records(400, fail_at=333), seed=seed) as failing:
+        with pytest.raises(InjectedFault):
+            list(failing)
+        assert not worker_processes(), "the workers of a failed epoch were kept"
+    with persistent(Records(400), seed=seed) as loader:
+        first = epoch_of(loader, 400)
+        victim = sorted(first)[0]
+        os.kill(victim, signal.SIGKILL)  # between epochs, idle (a worker that dies mid-epoch is an error)
+        assert wait_for(lambda: victim not in {p.pid for p in worker_processes()}, 10)
+        second = epoch_of(loader, 400)
+        assert not second & first, "a pool with a dead worker was used again"
+        assert epoch_of(loader, 400) == second
+
+
+def test_persistent_workers_call_worker_init_fn_once_and_keep_their_info(seed):
+    with dataecho.EchoLoader(MarkedRecords(300), batch_size=10, echo_factor=1, workers=2, worker_type="process",
+                             worker_init_fn=mark_worker, persistent_workers=True, seed=seed) as loader:
+        for epoch in range(3):
+            marks = Counter(m for batch in loader for m in batch["mark"].tolist())
+            assert sum(marks.values()) == 300 and set(marks) - {-1} <= {0, 1}, f"epoch {epoch}: {marks}"
+
+
+def test_persistent_workers_go_with_a_killed_owner_while_idle():
+    left = kill_owner(
+        "Records(200), batch_size=8, echo_factor=1, workers=2, worker_type='process', persistent_workers=True, "
+        "seed=0", start="list(loader)"
+    )
+    assert not left, f"still running after the owner was killed: {left}"
+
+
+def test_persistent_workers_need_workers():
+    with pytest.raises(ValueError, match="persistent_workers: needs num_workers > 0"):
+        dataecho.EchoLoader(Records(10), num_workers=0, persistent_workers=True)
+    with pytest.raises(TypeError, match="persistent_workers"):
+        dataecho.EchoLoader(Records(10), persistent_workers="yes")
+    threads = dataecho.EchoLoader(Records(100), batch_size=10, echo_factor=1, workers=2, persistent_workers=True)
+    for _ in range(2):  # thread workers are started per epoch either way
+        assert ids(threads) == Counter(range(100))

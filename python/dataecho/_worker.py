@@ -9,6 +9,7 @@ the user's world come in only if unpickling the source or transform needs them.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import random
@@ -84,9 +85,15 @@ class WorkerSpec:
     worker_init_fn: Any = None  # called with worker_id once, before reading
 
 
-def main(spec: WorkerSpec, conn: Any, lifeline: Any) -> None:
+def main(spec: WorkerSpec, conn: Any, lifeline: Any, tasks: Any = None) -> None:
     """Runs one worker until the source is exhausted or the parent closes the
-    buffer; ``lifeline`` reaches EOF when the process that owns the loader is gone."""
+    buffer; ``lifeline`` reaches EOF when the process that owns the loader is gone.
+
+    With ``tasks`` (``persistent_workers``), the worker then waits there for the
+    next epoch: a dict of the WorkerSpec fields that change (``region``,
+    ``order``, ...), or None to exit. The source, ``worker_init_fn``, the seeds
+    and ``get_worker_info()`` stay those of the first epoch, as in DataLoader.
+    """
     global _info
     # Ctrl-C reaches the whole process group; the parent decides, and stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -97,6 +104,19 @@ def main(spec: WorkerSpec, conn: Any, lifeline: Any) -> None:
         return  # the parent died before the death signal was armed
     _info = WorkerInfo(spec.worker_id, spec.num_workers, spec.seed, spec.source)
     _seed_and_inform(_info)
+    _epoch(spec, conn, parent)
+    while tasks is not None:
+        try:
+            update = tasks.recv()
+        except (EOFError, OSError):
+            return
+        if update is None:
+            return
+        _epoch(dataclasses.replace(spec, worker_init_fn=None, **update), conn, parent)
+
+
+def _epoch(spec: WorkerSpec, conn: Any, parent: int) -> None:
+    """Reads this worker's share of one epoch into the buffer region ``spec.region``."""
     try:
         producer = _core.Producer(spec.region, [(f.shape, f.dtype) for f in spec.fields])
     except BaseException as error:

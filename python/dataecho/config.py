@@ -61,6 +61,7 @@ class LoaderConfig:
     collate_fn: Callable[[list], Any] | None = None
     worker_init_fn: Callable[[int], None] | None = None
     timeout: float | None = None
+    persistent_workers: bool = False
 
     @property
     def map_style(self) -> bool:
@@ -142,6 +143,7 @@ def loader_config(**arguments: Any) -> LoaderConfig:
         device=_check_device(a["device"]), worker_type=worker_type,
         start_method=a["start_method"], deterministic=deterministic, shard=shard, sampler=sampler,
         collate_fn=a["collate_fn"], worker_init_fn=a["worker_init_fn"], timeout=a["timeout"],
+        persistent_workers=a["persistent_workers"],
     )
     if config.collate_fn is not None and config.device is not None:
         raise ValueError("collate_fn: its result is yielded as it is, so `device` cannot move it; "

@@ -22,6 +22,9 @@ The keywords dataecho acts on itself:
 - ``timeout``: seconds to wait for a batch (0: for ever); then a RuntimeError.
 - ``multiprocessing_context``: worker processes, started that way.
 - ``pin_memory_device``: "" or "cuda" (dataecho pins for CUDA).
+- ``persistent_workers``: worker processes are kept from one epoch to the
+  next (dataecho.worker_pool); thread workers are cheap to start and are
+  started per epoch either way.
 - ``batch_sampler``: refused; dataecho forms the batches itself.
 """
 
@@ -53,6 +56,9 @@ def resolve(a: dict[str, Any]) -> dict[str, Any]:
     a["workers"] = _workers(a)
     a["worker_type"], a["start_method"] = _worker_type(a)
     a["prefetch"] = _prefetch(a)
+    a["persistent_workers"] = _checks.flag("persistent_workers", a["persistent_workers"])
+    if a["persistent_workers"] and a["workers"] == 0:
+        raise ValueError("persistent_workers: needs num_workers > 0 (workers to keep), as in DataLoader")
     a["seed"] = _seed(a.pop("generator"), a["seed"])
     a["timeout"] = _timeout(a["timeout"])
     a["pin_memory"] = _pin_memory(a["pin_memory"], a.pop("pin_memory_device"))

@@ -34,6 +34,7 @@ class Epoch:
             per-worker counters.
         owner: kept alive while the epoch is (the loader: ``for b in
             EchoLoader(...)`` holds only the epoch).
+        pool: the loader's persistent worker processes, or None.
 
     Attributes:
         epoch: the epoch number.
@@ -42,7 +43,8 @@ class Epoch:
     """
 
     def __init__(self, config: LoaderConfig, epoch: int, structure: Structure | None,
-                 resume: dict[str, Any] | None, on_finish: Callable[[dict, list], None], owner: Any = None) -> None:
+                 resume: dict[str, Any] | None, on_finish: Callable[[dict, list], None], owner: Any = None,
+                 pool: Any = None) -> None:
         self.epoch = epoch
         self._owner = owner
         self._config, self._on_finish = config, on_finish
@@ -54,7 +56,7 @@ class Epoch:
         self._wait_s, self._delivered, self._batches = 0.0, 0, 0
         self._chain = Chain(mode=checkpoint_mode(config))
         skip = (resume or {}).get("intake", {}).get("skip", 0) if not config.map_style else 0
-        source = EpochSource(config, epoch, skip)
+        source = EpochSource(config, epoch, skip, pool)
         try:
             first = NOTHING
             if structure is None:

@@ -104,7 +104,8 @@ class IntakeStage:
         if config.workers == 0:
             self._producers = InlineReader(buffer, self.structure, source, first_seq=start)
         elif config.worker_type == "process":
-            self._producers = ProcessProducers(buffer, self.structure, source, config, failure, on_failure)
+            self._producers = ProcessProducers(buffer, self.structure, source, config, failure, on_failure,
+                                               source.pool)
         else:
             self._producers = Producers(buffer, self.structure, source, config, failure, on_failure)
             self._producers.start(first_seq=start)

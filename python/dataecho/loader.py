@@ -23,8 +23,10 @@ from .checkpoint import FORMAT, check_state
 from .config import LoaderConfig, loader_config
 from .epoch import Epoch
 from .order import EpochNumbers, LoaderSampler, batches_per_epoch, epoch_order
+from .process_producers import PROCESS_GRACE_S
 from .stats import Totals
 from .structure import Structure
+from .worker_pool import WorkerPool
 
 __all__ = ["EchoLoader"]
 
@@ -102,7 +104,8 @@ class EchoLoader:
             shared memory. ``source`` and ``transform`` must be picklable; an
             iterable source is iterated by every worker, which should read its own
             shard using ``dataecho.get_worker_info()`` or torch's
-            ``get_worker_info()``, as under DataLoader. Started per epoch.
+            ``get_worker_info()``, as under DataLoader. Started per epoch, or
+            once with DataLoader's ``persistent_workers=True``.
         start_method: for processes: ``"forkserver"`` (default where available)
             or ``"spawn"``; ``"fork"`` is refused, as forking a process that runs
             native threads is unsafe.
@@ -120,15 +123,11 @@ class EchoLoader:
             shuffling and echoing are local to each rank, seeded differently. The
             ``seed`` must be the same on every rank (None means 0 then).
 
-    DataLoader's other keywords are taken with DataLoader's meaning
-    (``sampler``, ``collate_fn``, ``worker_init_fn``, ``generator``, ``timeout``,
-    ``multiprocessing_context``, ``pin_memory_device``; see dataecho.dataloader_args).
-
-    The validated arguments can be read back as attributes (``loader.batch_size``,
-    ``loader.source``, ...; all of them as ``loader.config``), and under
-    DataLoader's names: ``dataset``, ``num_workers``, ``sampler`` (the given one,
-    or a view of the loader's own order whose ``set_epoch`` reaches the loader),
-    ``batch_sampler`` (None).
+    DataLoader's other keywords (``sampler``, ``collate_fn``, ...) keep their
+    meaning (see dataecho.dataloader_args). The arguments can be read back as
+    attributes (``loader.batch_size``; all as ``loader.config``), under
+    DataLoader's names too: ``dataset``, ``num_workers``, ``sampler`` (the given
+    one, or a view of the loader's order whose ``set_epoch`` reaches the loader).
 
     Raises:
         TypeError, ValueError: a bad argument, named in the message.
@@ -170,6 +169,7 @@ class EchoLoader:
         timeout: float = 0,
         multiprocessing_context: Any = None,
         pin_memory_device: str = "",
+        persistent_workers: bool = False,
     ) -> None:
         arguments = dict(locals())
         del arguments["self"]
@@ -181,6 +181,7 @@ class EchoLoader:
         self._current_ref: Callable[[], Epoch | None] = lambda: None
         self._totals = Totals()
         self._starting = threading.Lock()
+        self._pool = WorkerPool() if self.config.persistent_workers and self.config.worker_type == "process" else None
 
     def __getattr__(self, name: str) -> Any:
         # The validated arguments, read as attributes (as torch's DataLoader keeps
@@ -203,7 +204,7 @@ class EchoLoader:
                 current.supersede()  # if it yielded nothing, it gives back its number and resume state
             resume, self._resume = self._resume, None
             epoch = Epoch(self.config, self._numbers.next, self._structure, resume["stages"] if resume else None,
-                          functools.partial(_ended, self, resume), owner=self)
+                          functools.partial(_ended, self, resume), owner=self, pool=self._pool)
             self._structure = self._structure or epoch.structure
             self._current_ref = weakref.ref(epoch)
             self._numbers.started()
@@ -269,10 +270,12 @@ class EchoLoader:
         return batches_per_epoch(self.config)
 
     def close(self) -> None:
-        """Stops the current epoch's threads; iterating again starts a new epoch."""
+        """Stops the current epoch and every worker; iterating again starts a new epoch."""
         current = self._current
         if current is not None:
             current.close()
+        if self.__dict__.get("_pool") is not None:
+            self._pool.close(PROCESS_GRACE_S)
 
     def stats(self, flat: bool = False, prefix: str = "dataecho/") -> dict[str, Any]:
         """Counters over every epoch and the current one; ``flat=True`` for a metrics logger (dataecho.stats)."""

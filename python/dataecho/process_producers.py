@@ -22,10 +22,12 @@ from . import _worker
 from .buffer import NativeBuffer
 from .stage import Failure
 from .structure import Structure
+from .worker_pool import reap
 
 if TYPE_CHECKING:
     from .config import LoaderConfig
     from .source import EpochSource
+    from .worker_pool import WorkerPool
 
 __all__ = ["PROCESS_GRACE_S", "ProcessProducers", "check_picklable", "default_start_method"]
 
@@ -83,30 +85,41 @@ class ProcessProducers:
         config: LoaderConfig,
         failure: Failure,
         on_failure: Callable[[], None],
+        pool: WorkerPool | None = None,
     ) -> None:
         self._buffer = buffer
         self._failure = failure
         self._on_failure = on_failure
         self._stop = threading.Event()
         self.workers = config.workers
-        context = multiprocessing.get_context(config.start_method)
-        if config.start_method == "forkserver":
-            context.set_forkserver_preload(["dataecho._worker"])
+        self._pool = pool
         self._processes: list[Any] = []
         self._pipes: list[Any] = []
         self._lifeline: Any = None
         self._monitor: threading.Thread | None = None
+        self._ready: set[int] = set()
+        self._done: set[int] = set()
         try:
-            self._start(context, structure, source, config.transform, config.worker_init_fn)
+            if pool is not None and pool.running:
+                self._continue(pool, structure, source)
+            else:
+                if pool is not None:
+                    pool.close(0.0)  # one that failed or was stopped: nothing of it is left
+                self._start(config, structure, source)
+            self._monitor = threading.Thread(target=self._watch, name="dataecho-monitor", daemon=True)
+            self._monitor.start()
         except BaseException:
             # Ctrl-C (or a failed start) part-way: the workers already started stop too.
             buffer.abort()
             self.join()
             raise
 
-    def _start(self, context: Any, structure: Structure, source: EpochSource, transform: Any,
-               worker_init_fn: Any) -> None:
+    def _start(self, config: LoaderConfig, structure: Structure, source: EpochSource) -> None:
+        context = multiprocessing.get_context(config.start_method)
+        if config.start_method == "forkserver":
+            context.set_forkserver_preload(["dataecho._worker"])
         workers, buffer = self.workers, self._buffer
+        tasks: list[Any] = []
         # The lifeline: this process holds its only write end and never writes, so
         # every worker's read end sees EOF the moment this process is gone, however
         # it dies (SIGKILL, the OOM killer). The workers' parent is the forkserver,
@@ -118,25 +131,34 @@ class ProcessProducers:
                 fields=buffer.fields,
                 structure=structure,
                 source=source.for_workers,
-                transform=transform,
+                transform=config.transform,
                 worker_id=worker,
                 num_workers=workers,
                 seed=(source.seeds[1] + 7919 * (worker + 1)) % (1 << 63),
                 map_style=source.order is not None,
                 order=source.order,
-                worker_init_fn=worker_init_fn,
+                worker_init_fn=config.worker_init_fn,
             )
             receiver, sender = context.Pipe(duplex=False)
-            process = context.Process(
-                target=_worker.main, args=(spec, sender, lifeline), name=f"dataecho-worker-{worker}", daemon=True
-            )
+            args: tuple = (spec, sender, lifeline)
+            if self._pool is not None:  # persistent: later epochs come over a task pipe
+                task_reader, task_writer = context.Pipe(duplex=False)
+                args, tasks = (*args, task_reader), [*tasks, task_writer]
+            process = context.Process(target=_worker.main, args=args, name=f"dataecho-worker-{worker}", daemon=True)
             process.start()
             sender.close()  # the child holds the only writer: EOF means it is gone
             self._processes.append(process)
             self._pipes.append(receiver)
         lifeline.close()  # the workers hold the read ends
-        self._monitor = threading.Thread(target=self._watch, name="dataecho-monitor", daemon=True)
-        self._monitor.start()
+        if self._pool is not None:
+            self._pool.adopt(self._processes, self._pipes, tasks, self._lifeline)
+
+    def _continue(self, pool: WorkerPool, structure: Structure, source: EpochSource) -> None:
+        """Persistent workers: this epoch goes to the pool's idle workers."""
+        self._processes, self._pipes, self._lifeline = pool.processes, pool.results, pool.lifeline
+        buffer = self._buffer
+        pool.next_epoch([{"region": buffer.region_name, "fields": buffer.fields, "structure": structure,
+                          "order": source.order}] * self.workers)
 
     # ---- lifecycle ----
 
@@ -145,18 +167,13 @@ class ProcessProducers:
 
     def join(self, timeout_s: float = PROCESS_GRACE_S) -> None:
         """Waits for the workers (the buffer must be closed or aborted first), then
-        terminates and kills any that linger. No child process is left."""
+        terminates and kills any that linger. No child process is left, but the
+        idle workers of a pool that ran this epoch to its end (or its stop)."""
         deadline = time.monotonic() + timeout_s
-        for process in self._processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-        for process in self._processes:
-            if process.is_alive():
-                process.terminate()
-        for process in self._processes:
-            process.join(0.5)
-            if process.is_alive():
-                process.kill()
-                process.join(0.5)
+        if self._pool is not None:
+            self._join_pool(deadline)
+            return
+        reap(self._processes, deadline)
         self._stop.set()
         if self._monitor is not None:
             self._monitor.join(timeout_s)
@@ -166,6 +183,35 @@ class ProcessProducers:
         # closed its descriptor already, and the number may be in use again.)
         self._pipes.clear()
         self._lifeline = None  # every worker has ended
+
+    def _join_pool(self, deadline: float) -> None:
+        self._stop.set()
+        if self._monitor is not None:
+            self._monitor.join(max(0.0, deadline - time.monotonic()))
+        finished = self._monitor is None or not self._monitor.is_alive()
+        if not (finished and self._failure.error is None and self._await_done(deadline)):
+            self._pool.close(max(0.0, deadline - time.monotonic()))
+        self._buffer.unlink_region()
+        self._lifeline = None
+
+    def _await_done(self, deadline: float) -> bool:
+        """Reads each worker's messages until its "done" for this epoch; False if
+        one fails, exits or is still busy at the deadline (the pool is then closed)."""
+        pending = {pipe: i for i, pipe in enumerate(self._pipes) if i not in self._done}
+        while pending:
+            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return False
+            for pipe in ready:
+                try:
+                    message = pipe.recv()
+                except (EOFError, OSError):
+                    return False
+                if message[0] == "error":
+                    return False
+                if message[0] == "done":
+                    pending.pop(pipe)
+        return True
 
     def counters(self) -> list[dict[str, float]]:
         """Per worker: its process id, examples produced and seconds busy reading
@@ -178,8 +224,7 @@ class ProcessProducers:
     # ---- the monitor ----
 
     def _watch(self) -> None:
-        ready: set[int] = set()
-        done: set[int] = set()
+        ready, done = self._ready, self._done
         pipes = {pipe: i for i, pipe in enumerate(self._pipes)}
         sentinels = {p.sentinel: i for i, p in enumerate(self._processes)}
         while not self._stop.is_set():

@@ -39,14 +39,16 @@ class EpochSource:
             None for iterables.
         seeds: per-rank seeds of this epoch: [unused, batch echo and workers,
             echo buffer, augment output].
+        pool: the loader's WorkerPool (``persistent_workers``), or None.
         for_workers: the source pickled once (worker processes), taken before
             this process reads from it, so that its reads do not leak into the
             workers' copies; else None.
     """
 
-    def __init__(self, config: LoaderConfig, epoch: int, skip: int = 0) -> None:
+    def __init__(self, config: LoaderConfig, epoch: int, skip: int = 0, pool: Any = None) -> None:
         self.config = config
         self.epoch = epoch
+        self.pool = pool
         source = config.source
         self.for_workers = Pickled(source) if config.worker_type == "process" else None
         self.order: np.ndarray | None = None
