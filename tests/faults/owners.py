@@ -21,6 +21,7 @@ def owner_killed(rng: random.Random, variant: str, seed: int) -> None:
     runs on after OWNER_S."""
     options = loader_options(rng, augment=False)
     options.pop("augment", None)
+    options["persistent_workers"] = rng.random() < 0.5
     source = "Stream(10**6)" if variant == "iterable" else "Records(10**6)"
     stall_s = 60.0 if variant == "map_in_user_code" else 0.0
     args = ", ".join(f"{key}={value!r}" for key, value in options.items())
@@ -42,6 +43,7 @@ def worker_exit(rng: random.Random, variant: str, seed: int) -> None:
     options = loader_options(rng, augment=False)
     options.pop("augment", None)
     options["workers"] = rng.randint(1, 3)
+    options["persistent_workers"] = rng.random() < 0.5  # a pool that lost a worker is reaped too
     loader = dataecho.EchoLoader(Records(n), transform=ExitAt(at, status), worker_type="process", seed=seed,
                                  **options)
     delivered: Counter = Counter()
