@@ -130,7 +130,7 @@ class ProcessProducers:
                 region=buffer.region_name,
                 fields=buffer.fields,
                 structure=structure,
-                source=source.for_workers,
+                source=source.pickled(),
                 transform=config.transform,
                 worker_id=worker,
                 num_workers=workers,

@@ -42,7 +42,7 @@ class EpochSource:
         pool: the loader's WorkerPool (``persistent_workers``), or None.
         for_workers: the source pickled once (worker processes), taken before
             this process reads from it, so that its reads do not leak into the
-            workers' copies; else None.
+            workers' copies; else (or for running persistent workers) None.
     """
 
     def __init__(self, config: LoaderConfig, epoch: int, skip: int = 0, pool: Any = None) -> None:
@@ -50,7 +50,9 @@ class EpochSource:
         self.epoch = epoch
         self.pool = pool
         source = config.source
-        self.for_workers = Pickled(source) if config.worker_type == "process" else None
+        # Persistent workers that are running have their copy: no need to pickle it again.
+        kept = pool is not None and pool.running
+        self.for_workers = Pickled(source) if config.worker_type == "process" and not kept else None
         self.order: np.ndarray | None = None
         self.iterator: Iterator[Any] | None = None
         if config.map_style:
@@ -62,6 +64,11 @@ class EpochSource:
         # The shuffle, echo and worker seeds differ per rank.
         seeds = np.random.SeedSequence([config.seed, epoch, config.shard.rank]).generate_state(4, dtype=np.uint64)
         self.seeds = [int(s) for s in seeds]
+
+    def pickled(self) -> Pickled:
+        """``for_workers``, or the source pickled now where it was not (the
+        persistent workers it was left out for have died since)."""
+        return self.for_workers if self.for_workers is not None else Pickled(self.config.source)
 
     def __len__(self) -> int:
         """Positions in this epoch's order (map-style sources)."""
