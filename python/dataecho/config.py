@@ -21,7 +21,7 @@ from .distributed import Shard, resolve_shard
 from .process_producers import check_picklable, default_start_method
 from .ray_source import RayRows, is_ray_data
 
-__all__ = ["LoaderConfig", "is_map_style", "loader_config"]
+__all__ = ["LoaderConfig", "is_map_style", "loader_config", "reads_in_order"]
 
 DEFAULT_EXAMPLES = 4096  # shuffle_buffer with echo_at="example"
 DEFAULT_BATCHES = 16  # ... with echo_at="batch"
@@ -69,9 +69,9 @@ class LoaderConfig:
 
     @property
     def in_order(self) -> bool:
-        """Batches hold the examples in reading order (``shuffle=False`` at echo
-        1; thread workers or a map-style source): the buffers draw first in, first out."""
-        return not self.shuffle and self.echo_factor == 1 and (self.map_style or self.worker_type == "thread")
+        """Batches hold the examples in reading order: the buffers draw first in,
+        first out (see :func:`reads_in_order`)."""
+        return reads_in_order(self.shuffle, self.echo_factor, self.source, self.worker_type)
 
     @property
     def exact_echo(self) -> bool:
@@ -128,7 +128,7 @@ def loader_config(**arguments: Any) -> LoaderConfig:
     echo_factor = _check_echo(a["echo_factor"], deterministic, shard)
     sampler, shuffle = _check_sampler(a["sampler"], a["shuffle"], source)
     # shuffle=False at echo 1: batches in reading order, which deterministic intake gives.
-    in_order = not shuffle and echo_factor == 1 and (is_map_style(source) or worker_type == "thread")
+    in_order = reads_in_order(shuffle, echo_factor, source, worker_type)
     shuffle_buffer = _check_shuffle_buffer(a["shuffle_buffer"], batch_size, echo_at, a["augment"] is not None,
                                            deterministic, in_order)
     deterministic = deterministic or in_order
@@ -151,6 +151,13 @@ def loader_config(**arguments: Any) -> LoaderConfig:
     if worker_type == "process":
         config = _check_processes(config)
     return config
+
+
+def reads_in_order(shuffle: bool, echo_factor: float | str, source: Any, worker_type: str) -> bool:
+    """``shuffle=False`` at echo 1 yields the reading order exactly, where there is
+    one: a map-style source, or an iterable read by one thread (worker processes
+    each iterate their own shard)."""
+    return not shuffle and echo_factor == 1 and (is_map_style(source) or worker_type == "thread")
 
 
 def accepts_keyword(fn: Callable[..., Any], name: str) -> bool:

@@ -157,8 +157,8 @@ class ProcessProducers:
         """Persistent workers: this epoch goes to the pool's idle workers."""
         self._processes, self._pipes, self._lifeline = pool.processes, pool.results, pool.lifeline
         buffer = self._buffer
-        pool.next_epoch([{"region": buffer.region_name, "fields": buffer.fields, "structure": structure,
-                          "order": source.order}] * self.workers)
+        pool.next_epoch({"region": buffer.region_name, "fields": buffer.fields, "structure": structure,
+                         "order": source.order})
 
     # ---- lifecycle ----
 

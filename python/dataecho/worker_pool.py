@@ -59,9 +59,9 @@ class WorkerPool:
         self.processes, self.results, self._tasks, self.lifeline = processes, results, tasks, lifeline
         self._usable = True
 
-    def next_epoch(self, updates: list[dict[str, Any]]) -> None:
-        """Sends each worker its next epoch (the WorkerSpec fields that change)."""
-        for task, update in zip(self._tasks, updates):
+    def next_epoch(self, update: dict[str, Any]) -> None:
+        """Sends every worker its next epoch (the WorkerSpec fields that change)."""
+        for task in self._tasks:
             task.send(update)
 
     def close(self, grace_s: float) -> None:
