@@ -39,11 +39,18 @@ Sections (every figure in a table is measured in the same run; higher is better 
 (d) What safe in-place batch echo costs (``bench_batch_echo``): with torch
     output every repeat of a batch but the last is a copy; NumPy output shares
     one batch as read-only views.
+(e) Loader against loader (``bench_loaders``): ``EchoLoader`` with default
+    arguments at echo 1 over a per-example Python dataset, a NumPy array and a
+    ``__getitems__`` dataset (64 B, 12 KiB, 150 KiB), against torch
+    ``DataLoader`` (0 and 2 workers), ``torchdata.nodes``, tf.data and the bare
+    ``__getitem__`` loop; and a Hugging Face ``Dataset`` of 12 KiB rows against
+    ``DataLoader(num_workers=2)``. Section (a) measures the shuffle buffer
+    alone; this one, the path users run.
 
 Targets are printed at the end as met / NOT met.
 
 Usage:
-    python bench/compare.py [--quick] [--sections a,b,c,d] [--json PATH]
+    python bench/compare.py [--quick] [--sections a,b,c,d,e] [--json PATH]
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ import numpy as np
 import bench_batch_echo
 import bench_buffer
 import bench_echo
+import bench_loaders
 import bench_workers
 import common
 from bench_buffer import CASES, ECHOES, Case, SteadyRate, make_source, median_run
@@ -372,14 +380,14 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the chosen sections, prints one table per section, then the targets."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short runs: about two minutes in all")
-    parser.add_argument("--sections", default="a,b,c,d", help="comma-separated subset of a,b,c,d")
+    parser.add_argument("--sections", default="e,a,b,c,d", help="comma-separated subset of a,b,c,d,e")
     parser.add_argument("--seconds", type=float, default=None, help="(a) seconds per contestant (default 1.5, quick 0.5)")
     parser.add_argument("--repeat", type=int, default=None, help="(a) interleaved rounds, medians (default 3, quick 1)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args(argv)
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}
-    if not sections <= {"a", "b", "c", "d"}:
-        parser.error(f"--sections: expected a subset of a,b,c,d, got {args.sections!r}")
+    if not sections <= {"a", "b", "c", "d", "e"}:
+        parser.error(f"--sections: expected a subset of a,b,c,d,e, got {args.sections!r}")
     seconds = args.seconds if args.seconds is not None else (0.5 if args.quick else 1.5)
     repeat = args.repeat if args.repeat is not None else (1 if args.quick else 3)
 
@@ -390,6 +398,15 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"machine": info, "quick": args.quick}
     checks: list[dict] = []
 
+    if "e" in sections:
+        loader_seconds = 0.5 if args.quick else 1.5
+        print(f"(e) loader against loader (bench_loaders): batch {bench_loaders.BATCH}, echo 1, default arguments; "
+              f"delivered examples/s, ~{loader_seconds:g} s per contestant, median of {repeat} round(s)")
+        rows, loader_checks = bench_loaders.run(loader_seconds, repeat)
+        bench_loaders.print_table(rows)
+        checks += [{"section": "e", **c} for c in loader_checks]
+        report["e"] = {"seconds": loader_seconds, "repeat": repeat, "rows": rows}
+        print()
     if "a" in sections:
         rows, notes = run_throughput(seconds, repeat, available)
         print_throughput(rows, notes, seconds, repeat)

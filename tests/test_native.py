@@ -25,6 +25,7 @@ NATIVE_TESTS = [
     "buffer_fractional_drop_last",
     "buffer_deterministic",
     "buffer_in_order",
+    "buffer_put_each",
     "buffer_snapshot",
     "buffer_timeouts",
     "buffer_close",

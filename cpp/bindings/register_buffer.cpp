@@ -49,6 +49,17 @@ class PyBuffer {
     return {status_object(status), done};
   }
 
+  // Rows [done, n) of `columns` (see row_pointers), row i tagged first_seq + i.
+  std::pair<py::object, std::size_t> put_each(py::handle columns, std::size_t n, std::optional<double> timeout_s,
+                                              std::uint64_t first_seq, std::size_t done) {
+    ShuffleBuffer& core = live();
+    const auto rows = row_pointers(specs_, columns, n);
+    if (done > n) throw py::value_error("done: more than rows");
+    const Status status = call_blocking(
+        [&](Deadline d) { return core.producer().put_each(rows.data(), n, done, d, first_seq); }, timeout_s);
+    return {status_object(status), done};
+  }
+
   // Returns (status, arrays): one array per field, each a view of the batch's
   // memory whose base owns the lease on it.
   std::pair<py::object, py::object> next(std::optional<double> timeout_s) {
@@ -172,6 +183,10 @@ void register_buffer(py::module_& m) {
       .def("close", [](PyBuffer& b) { b.core().close(); })
       .def("stop", [](PyBuffer& b) { b.core().stop(); })  // quick: flags and wake-ups only
       .def("stats", [](const PyBuffer& b) { return b.core().stats(); })
+      .def("put_each", &PyBuffer::put_each, py::arg("columns"), py::arg("rows"), py::arg("timeout_s"),
+           py::arg("first_seq") = 0, py::arg("done") = 0)
+      .def("claim_range", [](PyBuffer& b, std::uint64_t count) { return b.core().producer().claim_range(count); },
+           py::arg("count"))
       .def("claim_index", [](PyBuffer& b) { return b.core().producer().claim_index(); })
       .def("set_index_range",
            [](PyBuffer& b, std::uint64_t begin, std::uint64_t end) { b.core().set_index_range(begin, end); },

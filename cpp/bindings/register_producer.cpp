@@ -45,6 +45,16 @@ class PyProducer {
     return {status_object(status), done};
   }
 
+  // Rows [done, n) of `columns` (see row_pointers), row i tagged first_seq + i.
+  std::pair<py::object, std::size_t> put_each(py::handle columns, std::size_t n, std::optional<double> timeout_s,
+                                              std::uint64_t first_seq, std::size_t done) {
+    const auto rows = row_pointers(specs_, columns, n);
+    if (done > n) throw py::value_error("done: more than rows");
+    const Status status = call_blocking(
+        [&](Deadline d) { return producer_->put_each(rows.data(), n, done, d, first_seq); }, timeout_s);
+    return {status_object(status), done};
+  }
+
   Producer& producer() { return *producer_; }
 
  private:
@@ -61,6 +71,10 @@ void register_producer(py::module_& m) {
       .def("put", &PyProducer::put, py::arg("arrays"), py::arg("timeout_s"), py::arg("seq") = 0)
       .def("put_many", &PyProducer::put_many, py::arg("arrays"), py::arg("rows"), py::arg("timeout_s"),
            py::arg("first_seq") = 0)
+      .def("put_each", &PyProducer::put_each, py::arg("columns"), py::arg("rows"), py::arg("timeout_s"),
+           py::arg("first_seq") = 0, py::arg("done") = 0)
+      .def("claim_range", [](PyProducer& p, std::uint64_t count) { return p.producer().claim_range(count); },
+           py::arg("count"))
       .def("claim_index", [](PyProducer& p) { return p.producer().claim_index(); })
       .def("record", [](PyProducer& p, std::size_t worker, std::uint64_t produced, std::uint64_t busy_ns) {
         p.producer().record(worker, produced, busy_ns);

@@ -14,6 +14,7 @@
 #include "dataecho/producer.hpp"
 #include "dataecho/region.hpp"
 #include "dataecho/snapshot.hpp"
+#include "fields.hpp"
 
 namespace dataecho::py_binding {
 
@@ -98,6 +99,9 @@ void register_snapshot(py::module_& m) {
 }  // namespace
 
 void register_types(py::module_& m) {
+  m.def("exact_rows", [](py::handle values, const FieldDecl& field) { return exact_rows(field_specs({field})[0], values); },
+        py::arg("values"), py::arg("field"),
+        "How many leading items of a list are C-contiguous arrays of the field's (shape, dtype) exactly.");
   py::native_enum<Status>(m, "Status", "enum.IntEnum", "The outcome of a blocking call.")
       .value("OK", Status::kOk)
       .value("CLOSED", Status::kClosed)

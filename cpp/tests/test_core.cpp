@@ -1231,6 +1231,63 @@ std::string test_buffer_in_order() {
   return s.str();
 }
 
+// Map-style intake as dataecho's producers run it: threads claim ranges of a
+// shuffled order (claim_range) and put_each rows gathered by pointer from a
+// source table. Every position is claimed once and every row arrives intact;
+// with in-order intake, in the order's sequence.
+std::string test_buffer_put_each() {
+  const std::uint64_t n = std::max<std::uint64_t>(5000, g_options.items / 200);
+  std::vector<std::uint64_t> ids(n);
+  for (std::uint64_t i = 0; i < n; ++i) ids[i] = i;
+  const Rows table(ids);  // row i holds id i
+  std::vector<std::uint64_t> order = ids;
+  Rng shuffle(run_seed(4300));
+  for (std::uint64_t i = n - 1; i > 0; --i) std::swap(order[i], order[shuffle.below(i + 1)]);
+  constexpr std::uint32_t kProducers = 4;
+  for (const bool in_order : {false, true}) {
+    BufferConfig config = make_config(128, 16, 1.0, run_seed(4301));
+    config.deterministic = in_order;
+    config.in_order = in_order;
+    ShuffleBuffer buf(id_layout(16), config);
+    buf.set_index_range(0, n);
+    Consumer consumer(buf, n);
+    Errors errors;
+    std::atomic<std::uint32_t> running{kProducers};
+    {
+      Threads producers([&] { buf.stop(); });
+      for (std::uint32_t p = 0; p < kProducers; ++p)
+        producers.spawn([&, p] {
+          Rng rng(run_seed(4302) ^ (0x9E37ull * (p + 1)));
+          for (;;) {
+            const auto [first, count] = buf.producer().claim_range(1 + rng.below(40));
+            if (count == 0) break;
+            std::vector<const void*> rows(count * 2);
+            for (std::uint64_t i = 0; i < count; ++i) {
+              const std::uint64_t row = order[first + i];
+              rows[i * 2] = &table.ids[row];
+              rows[i * 2 + 1] = &table.payloads[row * kPayload];
+            }
+            std::size_t done = 0;
+            const Status st = buf.producer().put_each(rows.data(), count, done, Deadline::never(), first);
+            if (st != Status::kOk || done != count) {
+              errors.add("producer " + std::to_string(p) + ": status " + std::to_string(static_cast<int>(st)));
+              break;
+            }
+          }
+          if (running.fetch_sub(1, std::memory_order_acq_rel) == 1) buf.close();
+        });
+      consumer.drain(buf, true);
+      producers.join();
+    }
+    CHECK_MSG(errors.count() == 0, errors.summary());
+    for (std::uint64_t i = 0; i < n; ++i) CHECK_MSG(consumer.counts[i] == 1, "id " << i << " came " << consumer.counts[i] << " times");
+    if (in_order) CHECK_MSG(consumer.order == order, "in-order intake: not in the order's sequence");
+  }
+  std::ostringstream s;
+  s << kProducers << " producers claiming ranges, " << n << " rows put by pointer, each once; in order when asked";
+  return s.str();
+}
+
 // Deadlines: next() on an empty open buffer times out; a put on a full buffer
 // times out and put_many resumes where it stopped.
 std::string test_buffer_timeouts() {
@@ -1549,6 +1606,7 @@ const Test kTests[] = {
     {"buffer_fractional_drop_last", test_buffer_fractional_and_drop_last},
     {"buffer_deterministic", test_buffer_deterministic},
     {"buffer_in_order", test_buffer_in_order},
+    {"buffer_put_each", test_buffer_put_each},
     {"buffer_snapshot", test_buffer_snapshot},
     {"buffer_timeouts", test_buffer_timeouts},
     {"buffer_close", test_buffer_close},

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import _core
+from .chunks import Columns, map_reader
 from .fields import Field, to_field_array
 from .structure import Structure
 
@@ -83,6 +84,7 @@ class WorkerSpec:
     map_style: bool
     order: Any  # map-style: the rank's reading order (dataset index per position)
     worker_init_fn: Any = None  # called with worker_id once, before reading
+    chunk: int = 1  # map-style: positions claimed at a time
 
 
 def main(spec: WorkerSpec, conn: Any, lifeline: Any, tasks: Any = None) -> None:
@@ -129,13 +131,7 @@ def _epoch(spec: WorkerSpec, conn: Any, parent: int) -> None:
         if spec.worker_init_fn is not None:
             spec.worker_init_fn(spec.worker_id)
         if spec.map_style:
-            # A claimed position is also the example's sequence number.
-            while (position := producer.claim_index()) >= 0:
-                start = time.perf_counter()
-                example = spec.source[int(spec.order[position])]
-                meter.busy(time.perf_counter() - start)
-                if not _produce(spec, producer, meter, orphaned, example, position):
-                    break
+            _read_map(spec, producer, meter, orphaned)
         else:
             it = iter(spec.source)
             for k in itertools.count():
@@ -150,10 +146,33 @@ def _epoch(spec: WorkerSpec, conn: Any, parent: int) -> None:
         _send(conn, ("done", spec.worker_id))
     except BaseException as error:  # reported to the parent, which raises it
         meter.flush()
+        if isinstance(error, RuntimeError) and isinstance(error.__cause__, StopIteration):
+            error = error.__cause__  # a cause does not pickle: the parent's Failure wraps it again
         _send(conn, ("error", spec.worker_id, error, traceback.format_exc()))
 
 
 _END = object()
+
+
+def _read_map(spec: WorkerSpec, producer: Any, meter: _Meter, orphaned: Any) -> None:
+    """Reads the positions this worker claims, a chunk at a time (dataecho.chunks);
+    a claimed position is also the example's sequence number."""
+    reader = map_reader(spec.source, spec.transform, spec.order)
+    columns = Columns(spec.structure, spec.fields)
+    while True:
+        first, count = producer.claim_range(spec.chunk)
+        if count == 0:
+            return
+        start = time.perf_counter()
+        for seq, rows, read in reader.chunks(first, count, columns):
+            meter.busy(time.perf_counter() - start)
+            done = 0
+            while done < rows:
+                status, done = producer.put_each(read, rows, 1.0, seq, done)
+                if status == _CLOSED or (done < rows and orphaned()):
+                    return
+            meter.produced(rows)
+            start = time.perf_counter()
 
 
 def _produce(spec: WorkerSpec, producer: Any, meter: _Meter, orphaned: Any, example: Any, seq: int) -> bool:
@@ -167,7 +186,7 @@ def _produce(spec: WorkerSpec, producer: Any, meter: _Meter, orphaned: Any, exam
     while True:
         status = producer.put(arrays, 1.0, seq)
         if status == _OK:
-            meter.produced()
+            meter.produced(1)
             return True
         if status == _CLOSED or orphaned():
             return False
@@ -183,8 +202,8 @@ class _Meter:
     def busy(self, seconds: float) -> None:
         self._busy += seconds
 
-    def produced(self) -> None:
-        self._count += 1
+    def produced(self, count: int) -> None:
+        self._count += count
         if time.perf_counter() - self._last > _REPORT_EVERY_S:
             self.flush()
 

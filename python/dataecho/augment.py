@@ -117,7 +117,7 @@ class AugmentStage:
         self._ended = resume is not None and resume["output"] is not None and resume["output"]["ended"]
         if resume is not None:
             self._resume_from(resume)
-        workers = 0 if self._ended else max(1, config.workers)  # workers=0 reads inline; augment still runs
+        workers = 0 if self._ended else config.augment_threads  # workers=0 reads inline; augment still runs
         self._running = workers
         self._threads = [
             threading.Thread(target=self._run, name=f"dataecho-augment-{i}", daemon=True) for i in range(workers)

@@ -90,6 +90,26 @@ class NativeBuffer:
         if status != _OK:
             raise _put_many_error(status, done, rows, timeout_s)
 
+    def put_each(self, columns: list, rows: int, first_seq: int = 0, timeout_s: float | None = None,
+                 done: int = 0) -> int:
+        """Puts rows [done, rows) of ``columns`` (one per field: see
+        ``_core.Buffer.put_each``), row i numbered ``first_seq + i``; returns the
+        rows put by then: all of them, or fewer when ``timeout_s`` ran out.
+
+        Raises:
+            BufferClosed: the buffer was closed or stopped.
+        """
+        self.check_process()
+        status, done = self._core.put_each(columns, rows, timeout_s, first_seq, done)
+        if status == _CLOSED:
+            raise BufferClosed("put(): the ShuffleBuffer is closed")
+        return done
+
+    def claim_range(self, count: int) -> tuple[int, int]:
+        """Up to ``count`` consecutive positions of a map-style order to read:
+        (first, how many), how many 0 when all are claimed."""
+        return self._core.claim_range(count)
+
     def claim_index(self) -> int:
         """The next position of a map-style order to read, or -1 when all are claimed."""
         return self._core.claim_index()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import _checks, _core
+from .dataloader_args import DEFAULT_WORKERS as DEFAULT_THREADS
 from .dataloader_args import resolve
 from .distributed import Shard, resolve_shard
 from .process_producers import check_picklable, default_start_method
@@ -62,6 +63,7 @@ class LoaderConfig:
     worker_init_fn: Callable[[int], None] | None = None
     timeout: float | None = None
     persistent_workers: bool = False
+    auto_workers: bool = False  # workers=None with threads: one, more while reads wait (dataecho.producers)
 
     @property
     def map_style(self) -> bool:
@@ -72,6 +74,11 @@ class LoaderConfig:
         """Batches hold the examples in reading order: the buffers draw first in,
         first out (see :func:`reads_in_order`)."""
         return reads_in_order(self.shuffle, self.echo_factor, self.source, self.worker_type)
+
+    @property
+    def augment_threads(self) -> int:
+        """Threads that run ``augment``: ``workers`` (at least one), or 2 when it was not given."""
+        return DEFAULT_THREADS if self.auto_workers else max(1, self.workers)
 
     @property
     def exact_echo(self) -> bool:
@@ -132,10 +139,12 @@ def loader_config(**arguments: Any) -> LoaderConfig:
     shuffle_buffer = _check_shuffle_buffer(a["shuffle_buffer"], batch_size, echo_at, a["augment"] is not None,
                                            deterministic, in_order)
     deterministic = deterministic or in_order
+    # workers not given: threads start with one reader (see dataecho.producers); processes, as declared, 2.
+    auto_workers = a["auto_workers"] and worker_type == "thread"
     config = LoaderConfig(
         source=source, batch_size=batch_size, echo_factor=echo_factor, echo_at=echo_at,
         transform=a["transform"], augment=a["augment"], shuffle_buffer=shuffle_buffer,
-        workers=_check_workers(a["workers"], worker_type), shuffle=shuffle, seed=seed,
+        workers=1 if auto_workers else _check_workers(a["workers"], worker_type), shuffle=shuffle, seed=seed,
         drop_last=_checks.flag("drop_last", a["drop_last"]),
         prefetch=_checks.positive_int("prefetch", a["prefetch"], 1 << 16),
         max_echo=_checks.real("max_echo", a["max_echo"], 1.0, _core.MAX_ECHO),
@@ -143,7 +152,7 @@ def loader_config(**arguments: Any) -> LoaderConfig:
         device=_check_device(a["device"]), worker_type=worker_type,
         start_method=a["start_method"], deterministic=deterministic, shard=shard, sampler=sampler,
         collate_fn=a["collate_fn"], worker_init_fn=a["worker_init_fn"], timeout=a["timeout"],
-        persistent_workers=a["persistent_workers"],
+        persistent_workers=a["persistent_workers"], auto_workers=auto_workers,
     )
     if config.collate_fn is not None and config.device is not None:
         raise ValueError("collate_fn: its result is yielded as it is, so `device` cannot move it; "

@@ -54,6 +54,8 @@ def resolve(a: dict[str, Any]) -> dict[str, Any]:
             "repeats of an example land in different batches; give `sampler` for the reading order, and batch_size"
         )
     a["workers"] = _workers(a)
+    a["auto_workers"] = a["workers"] is None  # chosen by dataecho.config
+    a["workers"] = DEFAULT_WORKERS if a["workers"] is None else a["workers"]
     a["worker_type"], a["start_method"] = _worker_type(a)
     a["prefetch"] = _prefetch(a)
     a["persistent_workers"] = _checks.flag("persistent_workers", a["persistent_workers"])
@@ -75,14 +77,14 @@ def _one_of(a: dict[str, Any], name: str, alias: str, why: str) -> Any:
     return other if value is None else value
 
 
-def _workers(a: dict[str, Any]) -> int:
+def _workers(a: dict[str, Any]) -> int | None:
     workers, num_workers = a.pop("workers"), a.pop("num_workers")
     if workers is not None and num_workers is not None:
         raise TypeError("workers and num_workers: give one (num_workers is DataLoader's name for workers)")
     name = "num_workers" if num_workers is not None else "workers"
     value = num_workers if num_workers is not None else workers
     if value is None:
-        return DEFAULT_WORKERS
+        return None
     number = _checks.integer(name, value, "an int >= 0")
     if number < 0:
         raise ValueError(f"{name}: expected an int >= 0 (0 reads in the calling thread), got {number}")

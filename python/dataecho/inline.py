@@ -2,10 +2,9 @@
 thread, as torch's ``DataLoader(num_workers=0)`` reads it.
 
 Nothing reads ahead: when the training loop asks for a batch and none is ready,
-the loop's thread reads and transforms examples into the echo buffer until a
-put cannot go in (the buffer is full: the assembler then has what it needs for a
-batch) or the source ends. No
-thread touches the dataset but the caller's, so a dataset that is not
+the loop's thread reads and transforms examples into the echo buffer, in chunks
+(dataecho.chunks), until a put cannot go in (the buffer is full: the assembler
+then has what it needs for a batch) or the source ends. No thread touches the dataset but the caller's, so a dataset that is not
 thread-safe, or that must run in the main thread, works as under DataLoader.
 """
 
@@ -15,12 +14,13 @@ import time
 from typing import Any, Iterator
 
 from .buffer import NativeBuffer
+from .chunks import CHUNK, SLICE_S, Chunk, Columns
 from .source import EpochSource
 from .structure import Structure
 
 __all__ = ["INLINE_WAIT_S", "InlineReader"]
 
-INLINE_WAIT_S = 0.02  # how long a put, then the wait for a batch, may park before reading resumes
+INLINE_WAIT_S = 0.02  # how long the wait for a batch may park before reading resumes
 
 
 class InlineReader:
@@ -35,47 +35,61 @@ class InlineReader:
 
     def __init__(self, buffer: NativeBuffer, structure: Structure, source: EpochSource, first_seq: int = 0) -> None:
         self._buffer, self._structure, self._source = buffer, structure, source
-        self._items = self._positions() if source.order is not None else self._iterated(first_seq)
-        self._pending: tuple[int, list] | None = None  # read, not yet taken by a full buffer
+        self._chunks = self._positions() if source.order is not None else self._iterated(first_seq)
+        self._pending: Chunk | None = None  # read, not yet all taken by a full buffer
+        self._done = 0  # rows of the pending chunk put so far
         self._exhausted = False
         self._produced, self._busy_s = 0, 0.0
 
     def fill(self) -> bool:
-        """Reads and puts examples until a put cannot go in within INLINE_WAIT_S
+        """Reads and puts examples until a put cannot go in at once
         (True: the buffer is full, or with deterministic intake the assembler has
         not yet taken the examples before it) or the source is exhausted and the
         buffer closed (False)."""
         while not self._exhausted:
             if self._pending is None:
                 started = time.perf_counter()
-                self._pending = next(self._items, None)
+                self._pending, self._done = next(self._chunks, None), 0
                 self._busy_s += time.perf_counter() - started
                 if self._pending is None:
                     self._exhausted = True
                     self._buffer.close()
                     break
-            seq, leaves = self._pending
-            try:
-                self._buffer.put_values(leaves, timeout_s=INLINE_WAIT_S, seq=seq)
-            except TimeoutError:
+            seq, rows, columns = self._pending
+            done = self._buffer.put_each(columns, rows, seq, timeout_s=0.0, done=self._done)
+            self._produced += done - self._done
+            self._done = done
+            if done < rows:
                 return True  # full: the assembler can make a batch
             self._pending = None
-            self._produced += 1
         return False
 
     def counters(self) -> list[dict[str, float]]:
         """One entry, for the calling thread: examples produced, seconds reading."""
         return [{"produced": self._produced, "busy_s": self._busy_s}]
 
-    def _positions(self) -> Iterator[tuple[int, list]]:
-        claim, source, structure = self._buffer.claim_index, self._source, self._structure
-        while (position := claim()) >= 0:
-            yield position, structure.flatten(source.read(position))
+    def _positions(self) -> Iterator[Chunk]:
+        buffer, reader = self._buffer, self._source.reader
+        columns = Columns(self._structure, buffer.fields)
+        chunk = min(CHUNK, self._source.config.batch_size)
+        while True:
+            first, count = buffer.claim_range(chunk)
+            if count == 0:
+                return
+            yield from reader.chunks(first, count, columns)
 
-    def _iterated(self, first_seq: int) -> Iterator[tuple[int, list]]:
-        source, structure = self._source, self._structure
-        for seq, example in enumerate(source.iterator, first_seq):
-            yield seq, structure.flatten(source.transformed(example))
+    def _iterated(self, first_seq: int) -> Iterator[Chunk]:
+        source, columns, seq = self._source, Columns(self._structure, self._buffer.fields), first_seq
+        while True:
+            examples, started = [], time.perf_counter()
+            for example in source.iterator:
+                examples.append(source.transformed(example))
+                if len(examples) == CHUNK or time.perf_counter() - started > SLICE_S:
+                    break
+            if not examples:
+                return
+            yield seq, len(examples), columns.of(examples)
+            seq += len(examples)
 
     # the stage protocol's producer side: nothing runs on its own
 

@@ -13,9 +13,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-import numpy as np
-
 from .buffer import NativeBuffer
+from .chunks import CHUNK, Columns
 from .errors import BufferClosed
 from .stage import Failure
 from .structure import Structure
@@ -24,9 +23,11 @@ if TYPE_CHECKING:
     from .config import LoaderConfig
     from .source import EpochSource
 
-__all__ = ["Producers"]
+__all__ = ["AUTO_THREADS", "Producers"]
 
 _END = object()
+AUTO_THREADS = 8  # workers=None: the most reading threads it grows to
+_SAMPLE_S = 0.05  # seconds of reading measured before deciding
 
 
 class Producers:
@@ -56,6 +57,7 @@ class Producers:
         self._transform = config.transform
         self._worker_init_fn = config.worker_init_fn
         self._workers = config.workers
+        self._auto_limit = AUTO_THREADS if config.auto_workers else 1
         self._failure = failure
         self._on_failure = on_failure
         self._threads: list[threading.Thread] = []
@@ -70,23 +72,38 @@ class Producers:
         """Starts reading: positions the buffer hands out (map-style), or the
         iterator's examples numbered from ``first_seq``."""
         if self._source.order is not None:
-            self.start_map(self._source.config.source, self._source.order)
+            self.start_map()
         else:
             self.start_iterable(self._source.iterator, first_seq)
 
-    def start_map(self, source: Any, order: np.ndarray) -> None:
-        """Reads ``source[order[p]]`` on every worker, for each position p the
-        buffer's claim counter hands out (set by the caller); p is also the
-        example's sequence number."""
-        claim = self._buffer.claim_index
+    def start_map(self) -> None:
+        """Reads the positions of the order that the buffer's claim counter
+        hands out (set by the caller), a chunk at a time, on every worker; a
+        position is also the example's sequence number."""
+        buffer, reader = self._buffer, self._source.reader
+        columns = Columns(self._structure, buffer.fields)
+        chunk = min(CHUNK, self._source.config.batch_size)
+
+        growth = _Growth(self._auto_limit)
 
         def work() -> None:
+            counter = self._counters.setdefault(threading.current_thread(), [0, 0.0])
+            first_worker = threading.current_thread() is self._threads[0]
             while not self._stop.is_set():
-                position = claim()
-                if position < 0:
+                first, count = buffer.claim_range(chunk)
+                if count == 0:
                     return
-                start = time.perf_counter()
-                self._put(source[int(order[position])], start, position)
+                started, cpu = time.perf_counter(), time.thread_time()
+                for seq, rows, read in reader.chunks(first, count, columns):
+                    busy = time.perf_counter() - started
+                    counter[1] += busy
+                    if first_worker and (more := growth.observe(busy, time.thread_time() - cpu)):
+                        self._spawn([work] * more, first_id=len(self._counters))
+                    buffer.put_each(read, rows, seq)
+                    counter[0] += rows
+                    if self._stop.is_set():
+                        return
+                    started, cpu = time.perf_counter(), time.thread_time()
 
         self._spawn([work] * self._workers)
 
@@ -148,19 +165,23 @@ class Producers:
 
     # ---- internals ----
 
-    def _spawn(self, targets: list[Callable[[], None]], initialized: int | None = None) -> None:
+    def _spawn(self, targets: list[Callable[[], None]], initialized: int | None = None, first_id: int = 0) -> None:
         """One thread per target; the first `initialized` (all by default) are
-        workers: each calls ``worker_init_fn`` with its number first."""
-        self._running = len(targets)
+        workers, numbered from `first_id`: each calls ``worker_init_fn`` with
+        its number first."""
         initialized = len(targets) if initialized is None else initialized
+        threads = []
         for i, target in enumerate(targets):
-            worker_id = i if i < initialized else None
-            thread = threading.Thread(target=self._run, args=(target, worker_id), name=f"dataecho-producer-{i}",
-                                      daemon=True)
-            self._threads.append(thread)
+            worker_id = first_id + i if i < initialized else None
+            thread = threading.Thread(target=self._run, args=(target, worker_id),
+                                      name=f"dataecho-producer-{first_id + i}", daemon=True)
+            threads.append(thread)
             if worker_id is not None:  # listed in worker order, from the start
                 self._counters[thread] = [0, 0.0]
-        for thread in self._threads:
+        with self._lock:  # a worker may add threads while others end
+            self._running += len(threads)
+            self._threads.extend(threads)
+        for thread in threads:
             thread.start()
 
     def _run(self, target: Callable[[], None], worker_id: int | None) -> None:
@@ -199,3 +220,27 @@ class Producers:
             except queue.Full:
                 continue
         return False
+
+
+class _Growth:
+    """``workers=None``: one reading thread, and more only where reading waits
+    rather than computes. A read whose thread's CPU time is a small part of its
+    wall time waits on I/O, a sleep or a lock, and more threads overlap those
+    waits; a read that computes, in Python (holding the GIL) or natively, gains
+    little from a second thread and loses to the contention. After ``_SAMPLE_S``
+    of reading, it asks for wall / CPU threads in all, up to ``limit``, once."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit, self._wall, self._cpu = limit, 0.0, 0.0
+        self._decided = limit <= 1
+
+    def observe(self, wall_s: float, cpu_s: float) -> int:
+        """Threads to add after a read of ``wall_s`` seconds, ``cpu_s`` of them on the CPU."""
+        if self._decided:
+            return 0
+        self._wall, self._cpu = self._wall + wall_s, self._cpu + cpu_s
+        if self._wall < _SAMPLE_S:
+            return 0
+        self._decided = True
+        threads = min(self._limit, int(self._wall / max(self._cpu, 1e-6)))
+        return threads - 1 if threads >= 2 else 0

@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from .chunks import map_reader
 from .config import LoaderConfig
 from .fields import parse_fields, to_field_array
 from .order import epoch_order
@@ -37,6 +38,7 @@ class EpochSource:
     Attributes:
         order: map-style: the dataset index at each position this rank reads;
             None for iterables.
+        reader: map-style: how positions of the order are read (dataecho.chunks).
         seeds: per-rank seeds of this epoch: [unused, batch echo and workers,
             echo buffer, augment output].
         pool: the loader's WorkerPool (``persistent_workers``), or None.
@@ -55,10 +57,12 @@ class EpochSource:
         self.for_workers = Pickled(source) if config.worker_type == "process" and not kept else None
         self.order: np.ndarray | None = None
         self.iterator: Iterator[Any] | None = None
+        self.reader: Any = None
         if config.map_style:
             # The same permutation on every rank (seeded by seed and epoch alone),
             # of which this rank reads its shard.
             self.order = epoch_order(config, epoch)
+            self.reader = map_reader(source, config.transform, self.order)
         else:
             self.iterator = itertools.islice(iter(source), skip, None) if skip else iter(source)
         # The shuffle, echo and worker seeds differ per rank.
@@ -84,11 +88,7 @@ class EpochSource:
 
     def read(self, position: int) -> Any:
         """The example at ``position`` of the order, transformed."""
-        try:
-            example = self.config.source[int(self.order[position])]
-        except StopIteration as stop:  # not the end of anything: an error (see Failure.set)
-            raise stop_iteration_error(stop, "source") from stop
-        return self.transformed(example)
+        return self.reader.one(position)
 
     def transformed(self, example: Any) -> Any:
         transform = self.config.transform

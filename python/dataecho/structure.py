@@ -158,6 +158,28 @@ class Structure:
         _flatten(self._root, example, "", leaves)
         return leaves
 
+    def columns(self, examples: list) -> list[list]:
+        """The leaves of ``examples``, one list per leaf, in flattening order:
+        ``flatten`` of each example, transposed. Leaves are not converted (see
+        ``leaf``).
+
+        Raises:
+            TypeError: an example's tree shape differs (as ``flatten``).
+        """
+        out: list[list] = []
+        try:
+            _columns(self._root, examples, out)
+            return out
+        except _Mismatch:  # flatten each: the first that differs raises, naming the path
+            return [list(column) for column in zip(*(self.flatten(e) for e in examples))]
+
+    def leaf(self, value: Any, index: int) -> Any:
+        """A value of leaf ``index`` from ``columns`` as ``flatten`` would give it."""
+        out: list[Any] = []
+        node = _Node("leaf") if self.torch_dtypes[index] is None else _Node("raw", torch_dtype=self.torch_dtypes[index])
+        _flatten(node, value, self.paths[index], out)
+        return out[0]
+
     def unflatten(self, leaves: Sequence[Any], wrap: Callable[[Any], Any] | None = None,
                   copy_raw: bool = False) -> Any:
         """Builds the tree back from leaves in flattening order.
@@ -241,6 +263,38 @@ def _flatten(node: _Node, value: Any, path: str, out: list[Any]) -> None:
     names = node.keys if node.kind == "namedtuple" else [str(i) for i in range(len(node.children))]
     for name, child, item in zip(names, node.children, value):
         _flatten(child, item, _join(path, name), out)
+
+
+class _Mismatch(Exception):
+    """A chunk whose examples are not all of the structure's exact container types."""
+
+
+_CONTAINERS = {"tuple": tuple, "list": list}
+
+
+def _columns(node: _Node, values: list, out: list[list]) -> None:
+    """``Structure.columns`` for examples of exactly the node's container types
+    (dict, tuple, list, the namedtuple class); anything else raises _Mismatch."""
+    if node.kind in ("leaf", "raw"):
+        out.append(values)
+        return
+    width = len(node.children)
+    if node.kind == "dict":
+        for value in values:
+            if type(value) is not dict or len(value) != width:
+                raise _Mismatch
+        try:
+            for key, child in zip(node.keys, node.children):
+                _columns(child, [value[key] for value in values], out)
+        except KeyError:
+            raise _Mismatch from None
+        return
+    expected = node.type_ if node.kind == "namedtuple" else _CONTAINERS[node.kind]
+    for value in values:
+        if type(value) is not expected or len(value) != width:
+            raise _Mismatch
+    for i, child in enumerate(node.children):
+        _columns(child, [value[i] for value in values], out)
 
 
 def _build(node: _Node, leaves: Any) -> Any:

@@ -13,10 +13,12 @@
 //     assembler sees its in_flight and waits for it.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 
 #include "dataecho/layout.hpp"
 #include "dataecho/region.hpp"
@@ -35,7 +37,7 @@ class Producer {
   // deterministic intake; ignored otherwise).
   Status put(const void* const* fields, Deadline deadline, std::uint64_t seq = 0) {
     std::size_t done = 0;
-    return put_rows(fields, 1, done, deadline, /*stacked=*/false, seq);
+    return put_rows(fields, 1, done, deadline, Rows::kOne, seq);
   }
 
   // Copies rows [done, n) of stacked per-field arrays, row i tagged first_seq + i;
@@ -43,7 +45,15 @@ class Producer {
   // resumed where it stopped.
   Status put_many(const void* const* fields, std::size_t n, std::size_t& done, Deadline deadline,
                   std::uint64_t first_seq = 0) {
-    return put_rows(fields, n, done, deadline, /*stacked=*/true, first_seq);
+    return put_rows(fields, n, done, deadline, Rows::kStacked, first_seq);
+  }
+
+  // Same, for rows given one pointer per field each, row-major: row i's fields
+  // are rows[i * F], ..., rows[i * F + F - 1] for F fields. For examples that
+  // are not stacked: gathered by index from a source, or one array each.
+  Status put_each(const void* const* rows, std::size_t n, std::size_t& done, Deadline deadline,
+                  std::uint64_t first_seq = 0) {
+    return put_rows(rows, n, done, deadline, Rows::kEach, first_seq);
   }
 
   // Next position of the epoch's order for a map-style source, or -1 when all
@@ -53,6 +63,17 @@ class Producer {
     // relaxed: the counter only hands out distinct numbers; no data rides on it.
     const std::uint64_t i = h.next_index.fetch_add(1, std::memory_order_relaxed);
     return i < h.index_end.load(std::memory_order_relaxed) ? static_cast<std::int64_t>(i) : -1;
+  }
+
+  // Up to `count` consecutive positions of the order: (first, how many), the
+  // count 0 when all are taken. Each position goes to exactly one producer.
+  std::pair<std::uint64_t, std::uint64_t> claim_range(std::uint64_t count) noexcept {
+    RegionHeader& h = *region_.header;
+    // relaxed, as claim_index: distinct numbers only. Every producer claims at
+    // most once past the end, so the counter cannot wrap.
+    const std::uint64_t end = h.index_end.load(std::memory_order_relaxed);
+    const std::uint64_t first = h.next_index.fetch_add(count, std::memory_order_relaxed);
+    return {first, first < end ? std::min(count, end - first) : 0};
   }
 
   // Adds to worker `w`'s counters (w < kMaxWorkers).
@@ -73,14 +94,16 @@ class Producer {
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
   }
 
-  Status put_rows(const void* const* fields, std::size_t n, std::size_t& done, Deadline deadline, bool stacked,
+  enum class Rows { kOne, kStacked, kEach };
+
+  Status put_rows(const void* const* fields, std::size_t n, std::size_t& done, Deadline deadline, Rows rows,
                   std::uint64_t first_seq) {
     RegionHeader& h = *region_.header;
     h.in_flight.fetch_add(1, std::memory_order_seq_cst);  // (I1)
     Status status = Status::kOk;
     const std::size_t start = done;
     while (done < n) {
-      const std::uint64_t seq = first_seq + (stacked ? done : 0);
+      const std::uint64_t seq = first_seq + (rows == Rows::kOne ? 0 : done);
       if (h.window != 0) {
         status = wait_for_window(seq, deadline);
         if (status != Status::kOk) break;
@@ -89,8 +112,10 @@ class Producer {
       status = acquire_slot(slot, deadline);
       if (status != Status::kOk) break;
       std::byte* dst = region_.arena.slot(slot);
-      if (stacked)
+      if (rows == Rows::kStacked)
         layout_.scatter_row(fields, done, dst);
+      else if (rows == Rows::kEach)
+        layout_.scatter(fields + done * layout_.fields(), dst);
       else
         layout_.scatter(fields, dst);
       region_.slot_seq[slot] = seq;  // published with the slot by the push below

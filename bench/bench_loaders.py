@@ -1,0 +1,297 @@
+"""Loader against loader: the path users run, ``EchoLoader`` with default
+arguments, against the loaders they would otherwise use, in one run.
+
+Every pipeline delivers shuffled batches of 256 one-field uint8 examples (64 B,
+12 KiB and 150 KiB) at echo factor 1, epoch after epoch, from one of three
+sources of the same rows:
+
+* ``per-example``: a map-style dataset whose ``__getitem__`` returns a fresh
+  copy of an in-memory row (Python per example, holding the GIL: the usual
+  torch ``Dataset``);
+* ``array``: the NumPy array of the rows itself;
+* ``__getitems__``: a dataset that also has ``__getitems__(indices)`` (torch's
+  batched fetch, which DataLoader calls too), one NumPy gather per call.
+
+Contestants: ``EchoLoader(source, batch_size=256, echo_factor=1)``; torch
+``DataLoader(source, batch_size=256, shuffle=True)`` with ``num_workers=0`` and
+with ``num_workers=2, persistent_workers=True``; ``torchdata.nodes``
+(``SamplerWrapper -> ParallelMapper(2 threads) -> Batcher -> Mapper(collate)
+-> Prefetcher``), where installed; ``tf.data``'s
+``from_tensor_slices(rows).shuffle(4096).batch(256).prefetch(2)`` over the
+array, where tensorflow imports (the reference for sources read without
+Python per example); and the bare loop: one thread calling ``source[i]`` in a
+Python loop, nothing else (the reference for per-example sources).
+
+A Hugging Face ``datasets.Dataset`` of 12 KiB rows (torch format) is read by
+``EchoLoader`` and by ``DataLoader(num_workers=2)``, where datasets imports.
+
+Rates are delivered examples/s in steady state (after 4 batches), epochs
+included, the median of ``repeat`` interleaved rounds.
+
+Usage:
+    python bench/bench_loaders.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import common
+import dataecho
+from bench_buffer import SteadyRate, median_run
+
+BATCH = 256
+SHUFFLE = 4096
+WARMUP_BATCHES = 4
+ECHO = "EchoLoader"
+DL0, DL2 = "DataLoader, 0 workers", "DataLoader, 2 workers"
+NODES, TF, BARE = "torchdata.nodes", "tf.data (the array)", "bare __getitem__ loop"
+
+
+@dataclass(frozen=True)
+class Size:
+    label: str
+    nbytes: int
+    rows: int  # rows in the source: an epoch
+
+
+SIZES = (Size("64 B", 64, 1 << 18), Size("12 KiB", 12 << 10, 1 << 14), Size("150 KiB", 150 << 10, 2048))
+SOURCES = ("per-example", "array", "__getitems__")
+
+
+class FreshRows:
+    """Map-style: ``self[i]`` is a fresh copy of row i (as a Dataset that reads and decodes returns new memory)."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.rows[i].copy()
+
+
+class BatchedRows(FreshRows):
+    """``FreshRows`` with ``__getitems__``: one gather per call, split into rows."""
+
+    def __getitems__(self, indices: list[int]) -> list[np.ndarray]:
+        return list(self.rows[indices])
+
+
+def source_of(kind: str, rows: np.ndarray) -> Any:
+    return {"per-example": FreshRows, "__getitems__": BatchedRows}.get(kind, lambda r: r)(rows)
+
+
+def endless(make_epoch: Callable[[], Iterable[Any]]) -> Iterator[Any]:
+    """Batches of epoch after epoch."""
+    while True:
+        yield from make_epoch()
+
+
+def timed(batches: Iterator[Any], seconds: float) -> dict:
+    rate = SteadyRate(warmup=WARMUP_BATCHES * BATCH, seconds=seconds)
+    for batch in batches:
+        if rate.add(len(batch)):
+            break
+    return rate.result()
+
+
+def run_echo(source: Any, seconds: float) -> dict:
+    loader = dataecho.EchoLoader(source, batch_size=BATCH, echo_factor=1)
+    try:
+        return timed(endless(lambda: loader), seconds)
+    finally:
+        loader.close()
+
+
+def run_dataloader(source: Any, seconds: float, workers: int) -> dict:
+    import torch.utils.data as data
+
+    loader = data.DataLoader(source, batch_size=BATCH, shuffle=True, num_workers=workers,
+                             persistent_workers=workers > 0)
+    batches = endless(lambda: loader)
+    try:
+        return timed(batches, seconds)
+    finally:
+        batches.close()
+        del loader  # shuts its workers down
+
+
+def run_nodes(source: Any, seconds: float) -> dict:
+    import torch.utils.data as data
+    import torchdata.nodes as tn
+
+    def epoch() -> Iterable[Any]:
+        node = tn.SamplerWrapper(data.RandomSampler(source))
+        node = tn.ParallelMapper(node, map_fn=source.__getitem__, num_workers=2, method="thread")
+        node = tn.Batcher(node, batch_size=BATCH)
+        node = tn.Mapper(node, data.default_collate)
+        return tn.Loader(tn.Prefetcher(node, prefetch_factor=2))
+
+    return timed(endless(epoch), seconds)
+
+
+def run_tfdata(rows: np.ndarray, seconds: float) -> dict:
+    import tensorflow as tf
+
+    ds = tf.data.Dataset.from_tensor_slices(rows).shuffle(SHUFFLE, seed=0).batch(BATCH).prefetch(2).repeat()
+    return timed(iter(ds), seconds)
+
+
+def run_bare(source: Any, seconds: float) -> dict:
+    """One thread calling ``source[i]`` over shuffled indices; 'batches' of 256 calls."""
+    order = np.random.default_rng(0).permutation(len(source)).tolist()
+
+    def epoch() -> Iterator[range]:
+        for start in range(0, len(order), BATCH):
+            for i in order[start:start + BATCH]:
+                source[i]
+            yield range(min(BATCH, len(order) - start))
+
+    return timed(endless(epoch), seconds)
+
+
+def contestants(available: dict[str, bool]) -> dict[str, Callable[[Any, np.ndarray, float], dict]]:
+    runs: dict[str, Callable[[Any, np.ndarray, float], dict]] = {ECHO: lambda s, r, t: run_echo(s, t)}
+    if available["torch"]:
+        runs[DL0] = lambda s, r, t: run_dataloader(s, t, 0)
+        runs[DL2] = lambda s, r, t: run_dataloader(s, t, 2)
+    if available["torch"] and available["torchdata"]:
+        runs[NODES] = lambda s, r, t: run_nodes(s, t)
+    runs[BARE] = lambda s, r, t: run_bare(s, t)
+    return runs
+
+
+def run_matrix(seconds: float, repeat: int, available: dict[str, bool]) -> list[dict]:
+    """Every (size, source, contestant), rounds interleaved; tf.data once per size."""
+    runs, out = contestants(available), []
+    for size in SIZES:
+        rows = np.random.default_rng(0).integers(0, 256, (size.rows, size.nbytes), dtype=np.uint8)
+        cells: dict[tuple[str, str], list[dict]] = {}
+        for _ in range(repeat):
+            for kind in SOURCES:
+                source = source_of(kind, rows)
+                for name, fn in runs.items():
+                    print(f"running {size.label}, {kind}: {name} ...", file=sys.stderr, flush=True)
+                    cells.setdefault((kind, name), []).append(fn(source, rows, seconds))
+            if available["tensorflow"]:
+                print(f"running {size.label}: {TF} ...", file=sys.stderr, flush=True)
+                cells.setdefault(("array", TF), []).append(run_tfdata(rows, seconds))
+        for (kind, name), results in cells.items():
+            out.append({"size": size.label, "source": kind, "contestant": name,
+                        "ex_s": median_run(results)["ex_s"]})
+        del rows
+    return out
+
+
+def run_hf(seconds: float, repeat: int, available: dict[str, bool]) -> list[dict]:
+    """A Hugging Face Dataset of 12 KiB rows, torch format: EchoLoader against DataLoader(num_workers=2)."""
+    if not (available["datasets"] and available["torch"]):
+        return []
+    import datasets
+
+    rows = np.random.default_rng(0).integers(0, 256, (1 << 14, 12 << 10), dtype=np.uint8)
+    dataset = datasets.Dataset.from_dict({"x": rows}).with_format("torch")
+    results: dict[str, list[dict]] = {ECHO: [], DL2: []}
+    for _ in range(repeat):
+        print("running Hugging Face Dataset, 12 KiB ...", file=sys.stderr, flush=True)
+        results[ECHO].append(run_echo(dataset, seconds))
+        results[DL2].append(run_dataloader(dataset, seconds, 2))
+    return [{"size": "12 KiB", "source": "HF Dataset (torch format)", "contestant": name,
+             "ex_s": median_run(r)["ex_s"]} for name, r in results.items()]
+
+
+def rate(rows: list[dict], size: str, source: str, name: str) -> float | None:
+    return next((r["ex_s"] for r in rows if (r["size"], r["source"], r["contestant"]) == (size, source, name)), None)
+
+
+def print_table(rows: list[dict]) -> None:
+    table = []
+    for r in rows:
+        echo = rate(rows, r["size"], r["source"], ECHO)
+        ratio = "" if r["contestant"] == ECHO or not echo else f"{echo / r['ex_s']:.2f}x"
+        table.append((r["size"], r["source"], r["contestant"], f"{r['ex_s']:,.0f}", ratio))
+    common.print_table(("size", "source", "contestant", "ex/s", "EchoLoader / it"), table, left=(0, 1, 2))
+    for size in SIZES:
+        bare = rate(rows, size.label, "per-example", BARE)
+        costs = [f"{name} {1e6 / r - 1e6 / bare:.2f} us" for name in (ECHO, DL0, DL2)
+                 if bare and (r := rate(rows, size.label, "per-example", name))]
+        if costs:
+            print(f"    {size.label}, per-example source: wall time per example beyond the bare loop's "
+                  f"{1e6 / bare:.2f} us: {', '.join(costs)}")
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The issue's targets, each at its worst size."""
+    checks = []
+
+    def worst(source: str, against: Callable[[str], float | None]) -> float | None:
+        ratios = [rate(rows, s.label, source, ECHO) / ref for s in SIZES if (ref := against(s.label))]
+        return min(ratios) if ratios else None
+
+    def best_dataloader(size: str) -> float | None:
+        found = [r for n in (DL0, DL2) if (r := rate(rows, size, "per-example", n))]
+        return max(found) if found else None
+
+    checks.append(_check("per-example source: EchoLoader >= DataLoader's best (0 or 2 workers)",
+                         worst("per-example", best_dataloader), 1.0, "torch did not run"))
+    checks.append(_check("per-example source: EchoLoader >= 0.7 x the bare __getitem__ loop",
+                         worst("per-example", lambda s: rate(rows, s, "per-example", BARE)), 0.7, ""))
+    for source in ("array", "__getitems__"):
+        checks.append(_check(f"{source} source: EchoLoader >= tf.data",
+                             worst(source, lambda s: rate(rows, s, "array", TF)), 1.0, "tf.data did not run"))
+    hf = [r for r in rows if r["source"].startswith("HF")]
+    hf_ratio = (rate(hf, "12 KiB", hf[0]["source"], ECHO) / rate(hf, "12 KiB", hf[0]["source"], DL2)) if hf else None
+    checks.append(_check("HF Dataset, 12 KiB: EchoLoader >= 2 x DataLoader(num_workers=2)", hf_ratio, 2.0,
+                         "datasets or torch did not import"))
+    return checks
+
+
+def _check(target: str, value: float | None, threshold: float, why_skipped: str) -> dict:
+    met = None if value is None else value >= threshold
+    shown = why_skipped if value is None else f"{value:.2f}x (worst over sizes)"
+    return {"target": target, "value": value, "threshold": threshold, "shown": shown, "met": met}
+
+
+def available_libraries() -> dict[str, bool]:
+    found = {}
+    for name in ("torch", "torchdata", "tensorflow", "datasets"):
+        try:
+            __import__(name)
+            found[name] = True
+        except Exception:  # a broken install is a skip, not a crash
+            found[name] = False
+    return found
+
+
+def run(seconds: float, repeat: int) -> tuple[list[dict], list[dict]]:
+    """The loader matrix and the HF rows, and their targets."""
+    available = available_libraries()
+    rows = run_matrix(seconds, repeat, available) + run_hf(seconds, repeat, available)
+    return rows, targets(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="short runs, one round")
+    args = parser.parse_args(argv)
+    seconds, repeat = (0.5, 1) if args.quick else (1.5, 3)
+    info = common.machine(**{k: "yes" if v else None for k, v in available_libraries().items()})
+    common.print_header(info, f"delivered examples/s, batch {BATCH}, echo 1; higher is better")
+    rows, checks = run(seconds, repeat)
+    print_table(rows)
+    common.print_targets(checks)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""Reading a map-style source in chunks: what the producers (threads, worker
+processes, or the caller's thread with ``workers=0``) do per example, amortized.
+
+A producer claims up to ``CHUNK`` consecutive positions of the epoch's order at
+once, reads them, converts them column by column (one list or stacked array per
+leaf), and puts them with one native call, which copies every row into its slot
+without the GIL. How a chunk is read depends on the source:
+
+* a NumPy array or memmap (or any buffer with a leading example axis), without
+  ``transform``: no Python per example; the native put copies row ``order[p]``
+  of the array straight into a slot (:class:`ArrayReader`);
+* a Hugging Face ``datasets.Dataset`` (Arrow-backed), without ``transform``:
+  one Arrow ``take`` per chunk, converted to NumPy columns; leaves have the
+  Arrow column's type, as declared in the dataset's features
+  (:class:`ArrowReader`);
+* anything else: ``__getitems__(indices)`` once per chunk where the source has
+  it (torch's batched-fetch convention), else ``source[i]`` per example, then
+  ``transform`` per example (:class:`ExampleReader`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+import numpy as np
+
+from . import _core
+from .fields import Field, to_field_array
+from .stage import stop_iteration_error
+from .structure import Structure
+
+__all__ = ["CHUNK", "Columns", "map_reader", "source_array"]
+
+CHUNK = 64  # positions claimed at a time
+SLICE_S = 0.01  # examples read one by one are put at least this often, however slow they are
+
+# A chunk to put: (sequence number of its first row, rows, one column per field;
+# see _core.Buffer.put_each for the forms a column takes).
+Chunk = tuple[int, int, list]
+
+
+class Columns:
+    """Converts a list of examples to one column per leaf of ``structure``: a
+    list of the leaves as they are where they already match their field (no
+    copy), else converted as a single put converts them (same checks, same
+    messages).
+
+    Args:
+        structure: the examples' structure.
+        fields: the buffer's fields, one per leaf.
+    """
+
+    def __init__(self, structure: Structure, fields: list[Field]) -> None:
+        self.structure, self.fields = structure, fields
+        self._decls = [(f.shape, f.dtype) for f in fields]
+
+    def of(self, examples: list) -> list:
+        return [self._column(i, values) for i, values in enumerate(self.structure.columns(examples))]
+
+    def _column(self, leaf: int, values: list) -> Any:
+        exact = _core.exact_rows(values, self._decls[leaf])
+        if exact == len(values):
+            return values
+        field = self.fields[leaf]
+        if exact == 0 and (stacked := _scalars(values, field)) is not None:
+            return stacked
+        return values[:exact] + [
+            to_field_array(self.structure.leaf(v, leaf), field, None, "put()") for v in values[exact:]
+        ]
+
+
+def _scalars(values: list, field: Field) -> np.ndarray | None:
+    """Numbers of exactly the field's type (Python int for int64, float for
+    float64, bool, or NumPy scalars of its dtype), stacked; else None."""
+    if field.shape != ():
+        return None
+    kind = type(values[0])
+    expected = _PYTHON_DTYPES.get(kind, kind if issubclass(kind, np.generic) else None)
+    if expected is None or np.dtype(expected) != field.dtype or any(type(v) is not kind for v in values):
+        return None
+    try:
+        return np.array(values, dtype=field.dtype)
+    except (OverflowError, TypeError, ValueError):  # out of range: converted one by one, which says so
+        return None
+
+
+_PYTHON_DTYPES = {bool: np.bool_, int: np.int64, float: np.float64}
+
+
+def source_array(source: Any) -> np.ndarray | None:
+    """``source`` as an array whose rows the native put can copy from: a NumPy
+    array or memmap, or an object with the buffer protocol, of at least one
+    dimension and a plain dtype; else None."""
+    if isinstance(source, np.ndarray):
+        array = source
+    else:
+        try:
+            array = np.asarray(memoryview(source))
+        except (TypeError, ValueError):
+            return None
+    if array.ndim < 1 or array.dtype.hasobject or array.dtype.itemsize == 0:
+        return None
+    return array
+
+
+def rows_contiguous(array: np.ndarray) -> bool:
+    """Whether each row's own bytes are C-contiguous (the rows may be strided):
+    what the native put needs to copy rows straight from the array."""
+    expected = array.itemsize
+    for size, stride in zip(reversed(array.shape[1:]), reversed(array.strides[1:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def map_reader(source: Any, transform: Any, order: np.ndarray) -> ArrayReader | ArrowReader | ExampleReader:
+    """The reader of a map-style ``source`` in the epoch's ``order``."""
+    if transform is None:
+        array = source_array(source)
+        if array is not None:
+            return ArrayReader(array, order)
+        if ArrowReader.reads(source):
+            return ArrowReader(source, order)
+    return ExampleReader(source, transform, order)
+
+
+class ExampleReader:
+    """``source[i]`` per example (or ``__getitems__`` per chunk), then ``transform``."""
+
+    def __init__(self, source: Any, transform: Any, order: np.ndarray) -> None:
+        self._source, self._transform, self._order = source, transform, order
+        self._getitems = getattr(source, "__getitems__", None)
+
+    def one(self, position: int) -> Any:
+        """The example at ``position`` of the order, transformed."""
+        try:
+            example = self._source[int(self._order[position])]
+        except StopIteration as stop:  # not the end of anything: an error (see Failure.set)
+            raise stop_iteration_error(stop, "source") from stop
+        return self._transformed(example)
+
+    def chunks(self, first: int, count: int, columns: Columns) -> Iterator[Chunk]:
+        """Positions [first, first + count), read and converted, in chunks."""
+        indices = self._order[first:first + count].tolist()
+        if self._getitems is not None:
+            try:
+                examples = list(self._getitems(indices))
+            except StopIteration as stop:
+                raise stop_iteration_error(stop, "source") from stop
+            if len(examples) != count:
+                raise ValueError(f"source: __getitems__ returned {len(examples)} examples for {count} indices")
+            if self._transform is not None:
+                examples = [self._transformed(e) for e in examples]
+            yield first, count, columns.of(examples)
+            return
+        source, transform, done = self._source, self._transform, 0
+        while done < count:
+            examples, started = [], time.perf_counter()
+            try:
+                for i in indices[done:]:
+                    example = source[i]
+                    examples.append(example if transform is None else transform(example))
+                    if time.perf_counter() - started > SLICE_S:
+                        break
+            except StopIteration as stop:
+                where = "transform" if len(examples) < count and transform is not None else "source"
+                raise stop_iteration_error(stop, where) from stop
+            yield first + done, len(examples), columns.of(examples)
+            done += len(examples)
+
+    def _transformed(self, example: Any) -> Any:
+        try:
+            return example if self._transform is None else self._transform(example)
+        except StopIteration as stop:
+            raise stop_iteration_error(stop, "transform") from stop
+
+
+class ArrayReader:
+    """Rows of an array, copied natively from the array into the slots."""
+
+    def __init__(self, array: np.ndarray, order: np.ndarray) -> None:
+        self._array, self._order = array, order
+        self._direct = rows_contiguous(array)
+
+    def one(self, position: int) -> Any:
+        return self._array[int(self._order[position])]
+
+    def chunks(self, first: int, count: int, columns: Columns) -> Iterator[Chunk]:
+        indices = np.asarray(self._order[first:first + count], dtype=np.int64)  # checked by epoch_order
+        if self._direct:
+            yield first, count, [(self._array, indices)]
+        else:
+            rows = np.take(self._array, indices, axis=0)
+            yield first, count, [to_field_array(rows, columns.fields[0], count, "put()")]
+
+
+class ArrowReader:
+    """A Hugging Face ``datasets.Dataset`` read through its Arrow table: one
+    ``take`` per chunk (which follows the dataset's own indices, after a
+    ``shuffle`` or ``select``), each column converted to one NumPy array."""
+
+    def __init__(self, dataset: Any, order: np.ndarray) -> None:
+        self._view = dataset.with_format("arrow", columns=dataset.format.get("columns"))
+        self._order = order
+
+    @staticmethod
+    def reads(source: Any) -> bool:
+        """An Arrow-backed dataset whose columns are all numbers, or nested lists of them."""
+        if not (type(source).__module__.startswith("datasets.") and hasattr(source, "with_format")
+                and hasattr(source, "features")):
+            return False
+        import pyarrow as pa
+
+        try:
+            schema = source.with_format("arrow", columns=source.format.get("columns"))[:0].schema
+        except Exception:  # not the Dataset this reader knows: read it example by example
+            return False
+        return len(schema) > 0 and all(_numeric(field.type, pa) for field in schema)
+
+    def one(self, position: int) -> dict[str, Any]:
+        columns = self._read(np.asarray(self._order[position:position + 1]))
+        return {name: column[0] for name, column in columns.items()}
+
+    def chunks(self, first: int, count: int, columns: Columns) -> Iterator[Chunk]:
+        read = self._read(self._order[first:first + count])
+        if list(read) != columns.structure.paths:
+            raise ValueError(f"source: columns {list(read)} differ from the first example's {columns.structure.paths}")
+        yield first, count, [
+            to_field_array(array, field, count, "put()") for array, field in zip(read.values(), columns.fields)
+        ]
+
+    def _read(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        table = self._view[indices.tolist()]
+        return {name: _to_numpy(name, table.column(name), len(indices)) for name in table.column_names}
+
+
+def _numeric(arrow_type: Any, pa: Any) -> bool:
+    while pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type) or pa.types.is_fixed_size_list(arrow_type):
+        arrow_type = arrow_type.value_type
+    return pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type) or pa.types.is_boolean(arrow_type)
+
+
+def _to_numpy(name: str, column: Any, rows: int) -> np.ndarray:
+    """An Arrow column of numbers or equal-length (nested) lists of them as one
+    array of ``rows`` rows."""
+    import pyarrow as pa
+
+    array, shape = column.combine_chunks(), [rows]
+    while not (pa.types.is_integer(array.type) or pa.types.is_floating(array.type) or pa.types.is_boolean(array.type)):
+        if pa.types.is_fixed_size_list(array.type):
+            width = array.type.list_size
+        else:
+            lengths = np.diff(array.offsets.to_numpy())
+            if len(lengths) and (lengths != lengths[0]).any():
+                raise ValueError(f"source: column {name!r} holds lists of different lengths "
+                                 f"({lengths.min()} to {lengths.max()}); every example's leaf must have one shape")
+            width = int(lengths[0]) if len(lengths) else 0
+        array = array.flatten()
+        shape.append(width)
+    if array.null_count:
+        raise ValueError(f"source: column {name!r} holds missing values (None)")
+    return array.to_numpy(zero_copy_only=False).reshape(shape)
