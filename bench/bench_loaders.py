@@ -12,7 +12,8 @@ sources of the same rows:
 * ``__getitems__``: a dataset that also has ``__getitems__(indices)`` (torch's
   batched fetch, which DataLoader calls too), one NumPy gather per call.
 
-Contestants: ``EchoLoader(source, batch_size=256, echo_factor=1)``; torch
+Contestants: ``EchoLoader(source, batch_size=256, echo_factor=1)``, and for
+the per-example source also with 2 (persistent) worker processes; torch
 ``DataLoader(source, batch_size=256, shuffle=True)`` with ``num_workers=0`` and
 with ``num_workers=2, persistent_workers=True``; ``torchdata.nodes``
 (``SamplerWrapper -> ParallelMapper(2 threads) -> Batcher -> Mapper(collate)
@@ -52,6 +53,7 @@ BATCH = 256
 SHUFFLE = 4096
 WARMUP_BATCHES = 4
 ECHO = "EchoLoader"
+ECHO_PROCESSES = "EchoLoader, 2 worker processes"
 DL0, DL2 = "DataLoader, 0 workers", "DataLoader, 2 workers"
 NODES, TF, BARE = "torchdata.nodes", "tf.data (the array)", "bare __getitem__ loop"
 
@@ -105,8 +107,8 @@ def timed(batches: Iterator[Any], seconds: float) -> dict:
     return rate.result()
 
 
-def run_echo(source: Any, seconds: float) -> dict:
-    loader = dataecho.EchoLoader(source, batch_size=BATCH, echo_factor=1)
+def run_echo(source: Any, seconds: float, **options: Any) -> dict:
+    loader = dataecho.EchoLoader(source, batch_size=BATCH, echo_factor=1, **options)
     try:
         return timed(endless(lambda: loader), seconds)
     finally:
@@ -130,14 +132,26 @@ def run_nodes(source: Any, seconds: float) -> dict:
     import torch.utils.data as data
     import torchdata.nodes as tn
 
+    made: list[Any] = []
+
     def epoch() -> Iterable[Any]:
         node = tn.SamplerWrapper(data.RandomSampler(source))
         node = tn.ParallelMapper(node, map_fn=source.__getitem__, num_workers=2, method="thread")
-        node = tn.Batcher(node, batch_size=BATCH)
-        node = tn.Mapper(node, data.default_collate)
-        return tn.Loader(tn.Prefetcher(node, prefetch_factor=2))
+        made.append(node)
+        node = tn.Prefetcher(tn.Mapper(tn.Batcher(node, batch_size=BATCH), data.default_collate), prefetch_factor=2)
+        made.append(node)
+        return tn.Loader(node)
 
-    return timed(endless(epoch), seconds)
+    try:
+        return timed(endless(epoch), seconds)
+    finally:
+        for node in made:  # stop their threads now: left running, they would slow the next contestant
+            running = getattr(node, "_it", None)
+            while running is not None:
+                shutdown = getattr(running, "_shutdown", None)
+                if shutdown is not None:
+                    shutdown()
+                running = getattr(running, "_it", None)
 
 
 def run_tfdata(rows: np.ndarray, seconds: float) -> dict:
@@ -183,6 +197,10 @@ def run_matrix(seconds: float, repeat: int, available: dict[str, bool]) -> list[
                 for name, fn in runs.items():
                     print(f"running {size.label}, {kind}: {name} ...", file=sys.stderr, flush=True)
                     cells.setdefault((kind, name), []).append(fn(source, rows, seconds))
+            # Declared: a Python __getitem__ that holds the GIL, read by processes.
+            print(f"running {size.label}, per-example: {ECHO_PROCESSES} ...", file=sys.stderr, flush=True)
+            cells.setdefault(("per-example", ECHO_PROCESSES), []).append(run_echo(
+                source_of("per-example", rows), seconds, workers=2, worker_type="process", persistent_workers=True))
             if available["tensorflow"]:
                 print(f"running {size.label}: {TF} ...", file=sys.stderr, flush=True)
                 cells.setdefault(("array", TF), []).append(run_tfdata(rows, seconds))

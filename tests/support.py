@@ -549,6 +549,11 @@ def batch_blocks_allocated(buf: dataecho.ShuffleBuffer) -> int:
     return buf.stats()["batch_blocks"]
 
 
+def kept_bytes(loader: dataecho.EchoLoader) -> int:
+    """Bytes of echo-buffer memory the loader keeps for its next epoch."""
+    return loader._memory.kept_bytes
+
+
 def worker_pids(loader: dataecho.EchoLoader) -> list[int]:
     """The pids of the worker processes of the loader's current epoch."""
     return [worker["pid"] for worker in loader.stats()["workers"]]

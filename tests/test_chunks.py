@@ -8,6 +8,7 @@ Every test checks what each example holds against its id, and counts every id.
 from __future__ import annotations
 
 import array
+import gc
 import time
 from collections import Counter
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import datasets
 import numpy as np
 import pytest
-from support import PAYLOAD, drain, payload_of
+from support import PAYLOAD, Records, drain, kept_bytes, payload_of
 
 import dataecho
 from dataecho import _core
@@ -122,6 +123,27 @@ def test_exact_rows_counts_the_leading_arrays_that_match_their_field_exactly():
     assert _core.exact_rows([good, np.zeros((2, 3), np.float64)], field) == 1
     assert _core.exact_rows([np.zeros((2, 6), np.float32)[:, ::2], good], field) == 0, "not contiguous"
     assert _core.exact_rows([1.0, good], field) == 0
+
+
+@pytest.mark.parametrize("per_example", [False, True])
+def test_an_epochs_buffer_memory_is_kept_for_the_next_epoch_and_freed_by_close(per_example, seed):
+    gc.disable()  # an ended epoch gives its memory back at once: no cycle waits for the collector
+    try:
+        source = Records(N) if per_example else id_rows(N)
+        loader = dataecho.EchoLoader(source, batch_size=64, echo_factor=2, seed=seed, workers=2)
+        for _ in range(3):  # each epoch in the memory of the one before: still exact
+            seen: Counter = Counter()
+            if per_example:
+                drain(loader, seen)
+                assert seen == Counter({i: 2 for i in range(N)})
+            else:
+                check_id_rows(loader, N, 2)
+            kept = kept_bytes(loader)
+            assert kept >= N * 64, f"{kept} bytes kept after the epoch: less than its {N} slots"
+        loader.close()
+        assert kept_bytes(loader) == 0, "close() frees what the loader kept"
+    finally:
+        gc.enable()
 
 
 # ---- __getitems__ ----

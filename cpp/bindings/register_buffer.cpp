@@ -25,10 +25,12 @@ namespace {
 
 class PyBuffer {
  public:
-  PyBuffer(const std::vector<FieldDecl>& fields, BufferConfig config, std::optional<Snapshot> restore)
+  PyBuffer(const std::vector<FieldDecl>& fields, BufferConfig config, std::optional<Snapshot> restore,
+           std::shared_ptr<BlockCache> cache)
       : specs_(field_specs(fields)) {
     if (restore) config.restore = std::make_shared<const Snapshot>(std::move(*restore));
-    core_ = std::make_unique<ShuffleBuffer>(ExampleLayout(field_bytes(specs_), config.batch_size), config);
+    core_ = std::make_unique<ShuffleBuffer>(ExampleLayout(field_bytes(specs_), config.batch_size), config,
+                                            std::move(cache));
   }
 
   // `arrays` is borrowed (see blocking.hpp): the caller's list keeps it alive.
@@ -170,9 +172,16 @@ void register_buffer(py::module_& m) {
   py::class_<BatchPool::Lease, std::shared_ptr<BatchPool::Lease>>(
       m, "BatchLease", "Owns one batch's memory; arrays of the batch keep it alive.");
 
+  py::class_<BlockCache, std::shared_ptr<BlockCache>>(
+      m, "BlockCache", "Keeps a freed buffer's memory for the next buffer of the same size (see memory.hpp).")
+      .def(py::init<>())
+      .def("clear", &BlockCache::clear)
+      .def_property_readonly("kept_bytes", &BlockCache::kept_bytes);
+
   py::class_<PyBuffer>(m, "Buffer", "The native shuffle buffer (see shuffle_buffer.hpp).")
-      .def(py::init<const std::vector<FieldDecl>&, BufferConfig, std::optional<Snapshot>>(), py::arg("fields"),
-           py::arg("config"), py::arg("restore") = py::none())
+      .def(py::init<const std::vector<FieldDecl>&, BufferConfig, std::optional<Snapshot>,
+                    std::shared_ptr<BlockCache>>(),
+           py::arg("fields"), py::arg("config"), py::arg("restore") = py::none(), py::arg("cache") = nullptr)
       .def("put", &PyBuffer::put, py::arg("arrays"), py::arg("timeout_s"), py::arg("seq") = 0)
       .def("put_many", &PyBuffer::put_many, py::arg("arrays"), py::arg("rows"), py::arg("timeout_s"),
            py::arg("first_seq") = 0)

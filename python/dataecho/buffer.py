@@ -50,12 +50,15 @@ class NativeBuffer:
         fields: the example's fields.
         config: the buffer's configuration.
         restore: a snapshot to resume from (deterministic buffers).
+        cache: where the buffer's memory comes from and goes back to when it is
+            freed, for the next buffer of the same size (a loader's next epoch).
     """
 
-    def __init__(self, fields: list[Field], config: _core.BufferConfig, restore: _core.Snapshot | None = None):
+    def __init__(self, fields: list[Field], config: _core.BufferConfig, restore: _core.Snapshot | None = None,
+                 cache: _core.BlockCache | None = None):
         self.fields = fields
         try:
-            self._core = _core.Buffer([(f.shape, f.dtype) for f in fields], config, restore)
+            self._core = _core.Buffer([(f.shape, f.dtype) for f in fields], config, restore, cache)
         except MemoryError:
             example = sum(f.nbytes for f in fields)
             raise MemoryError(

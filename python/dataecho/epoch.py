@@ -35,6 +35,8 @@ class Epoch:
         owner: kept alive while the epoch is (the loader: ``for b in
             EchoLoader(...)`` holds only the epoch).
         pool: the loader's persistent worker processes, or None.
+        memory: the loader's ``_core.BlockCache``: the echo buffer's memory, kept
+            from one epoch to the next; or None.
 
     Attributes:
         epoch: the epoch number.
@@ -44,7 +46,7 @@ class Epoch:
 
     def __init__(self, config: LoaderConfig, epoch: int, structure: Structure | None,
                  resume: dict[str, Any] | None, on_finish: Callable[[dict, list], None], owner: Any = None,
-                 pool: Any = None) -> None:
+                 pool: Any = None, memory: Any = None) -> None:
         self.epoch = epoch
         self._owner = owner
         self._config, self._on_finish = config, on_finish
@@ -56,7 +58,7 @@ class Epoch:
         self._wait_s, self._delivered, self._batches = 0.0, 0, 0
         self._chain = Chain(mode=checkpoint_mode(config))
         skip = (resume or {}).get("intake", {}).get("skip", 0) if not config.map_style else 0
-        source = EpochSource(config, epoch, skip, pool)
+        source = EpochSource(config, epoch, skip, pool, memory)
         try:
             first = NOTHING
             if structure is None:

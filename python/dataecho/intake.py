@@ -57,7 +57,8 @@ class IntakeStage:
         if resume is not None and resume.get("ended"):
             return  # nothing more to assemble: only the queued batches, replayed downstream
         self._buffer = NativeBuffer(parse_fields(structure.fields())[0], self._buffer_config(),
-                                    _restore_snapshot(resume) if self._exact and resume else None)
+                                    _restore_snapshot(resume) if self._exact and resume else None,
+                                    source.memory if config.worker_type == "thread" else None)
         try:
             if pinned_batches:
                 from .torch_support import pin_batch_memory
@@ -73,8 +74,11 @@ class IntakeStage:
         config = self._config
         per_example = config.echo_at == "example"
         auto = per_example and config.echo_factor == "auto"
+        capacity = config.shuffle_buffer if per_example else max(2 * config.batch_size, DEFAULT_EXAMPLES)
+        if config.map_style:  # no more slots than the epoch has examples (with room for the reorder window)
+            capacity = min(capacity, max(len(self._source), 2 * config.batch_size))
         return buffer_config(
-            capacity=config.shuffle_buffer if per_example else max(2 * config.batch_size, DEFAULT_EXAMPLES),
+            capacity=capacity,
             batch_size=config.batch_size, echo_factor=float(config.echo_factor) if per_example and not auto else 1.0,
             auto_echo=auto, max_echo=config.max_echo, seed=self._source.seeds[2],
             # With augment, its output buffer decides what a short last batch means.

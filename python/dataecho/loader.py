@@ -18,6 +18,7 @@ import threading
 import weakref
 from typing import Any, Callable
 
+from . import _core
 from .chain import stage_names
 from .checkpoint import FORMAT, check_state
 from .config import LoaderConfig, loader_config
@@ -182,6 +183,7 @@ class EchoLoader:
         self._totals = Totals()
         self._starting = threading.Lock()
         self._pool = WorkerPool() if self.config.persistent_workers and self.config.worker_type == "process" else None
+        self._memory = _core.BlockCache()  # the echo buffer's memory, from one epoch to the next
 
     def __getattr__(self, name: str) -> Any:
         # The validated arguments, read as attributes (as torch's DataLoader keeps
@@ -204,7 +206,8 @@ class EchoLoader:
                 current.supersede()  # if it yielded nothing, it gives back its number and resume state
             resume, self._resume = self._resume, None
             epoch = Epoch(self.config, self._numbers.next, self._structure, resume["stages"] if resume else None,
-                          functools.partial(_ended, self, resume), owner=self, pool=self._pool)
+                          functools.partial(_ended, self, resume), owner=self, pool=self._pool,
+                          memory=self._memory)
             self._structure = self._structure or epoch.structure
             self._current_ref = weakref.ref(epoch)
             self._numbers.started()
@@ -276,6 +279,8 @@ class EchoLoader:
             current.close()
         if self.__dict__.get("_pool") is not None:
             self._pool.close(PROCESS_GRACE_S)
+        if self.__dict__.get("_memory") is not None:
+            self._memory.clear()
 
     def stats(self, flat: bool = False, prefix: str = "dataecho/") -> dict[str, Any]:
         """Counters over every epoch and the current one; ``flat=True`` for a metrics logger (dataecho.stats)."""

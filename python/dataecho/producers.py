@@ -80,32 +80,10 @@ class Producers:
         """Reads the positions of the order that the buffer's claim counter
         hands out (set by the caller), a chunk at a time, on every worker; a
         position is also the example's sequence number."""
-        buffer, reader = self._buffer, self._source.reader
-        columns = Columns(self._structure, buffer.fields)
-        chunk = min(CHUNK, self._source.config.batch_size)
-
-        growth = _Growth(self._auto_limit)
-
-        def work() -> None:
-            counter = self._counters.setdefault(threading.current_thread(), [0, 0.0])
-            first_worker = threading.current_thread() is self._threads[0]
-            while not self._stop.is_set():
-                first, count = buffer.claim_range(chunk)
-                if count == 0:
-                    return
-                started, cpu = time.perf_counter(), time.thread_time()
-                for seq, rows, read in reader.chunks(first, count, columns):
-                    busy = time.perf_counter() - started
-                    counter[1] += busy
-                    if first_worker and (more := growth.observe(busy, time.thread_time() - cpu)):
-                        self._spawn([work] * more, first_id=len(self._counters))
-                    buffer.put_each(read, rows, seq)
-                    counter[0] += rows
-                    if self._stop.is_set():
-                        return
-                    started, cpu = time.perf_counter(), time.thread_time()
-
-        self._spawn([work] * self._workers)
+        self._columns = Columns(self._structure, self._buffer.fields)
+        self._chunk = min(CHUNK, self._source.config.batch_size)
+        self._growth = _Growth(self._auto_limit)
+        self._spawn([self._read_map] * self._workers)
 
     def start_iterable(self, iterator: Iterator[Any], first_seq: int = 0) -> None:
         """Reads ``iterator`` on one thread; transforms on ``workers`` threads.
@@ -146,6 +124,28 @@ class Producers:
                 self._put(example, time.perf_counter(), seq)
 
         self._spawn([work] * self._workers + [read_and_hand_off], initialized=self._workers)
+
+    def _read_map(self) -> None:
+        """One worker of ``start_map`` (a method, not a closure: a closure that
+        spawns more of itself would hold itself, and the buffer, in a cycle)."""
+        buffer, reader, columns, growth = self._buffer, self._source.reader, self._columns, self._growth
+        counter = self._counters.setdefault(threading.current_thread(), [0, 0.0])
+        first_worker = threading.current_thread() is self._threads[0]
+        while not self._stop.is_set():
+            first, count = buffer.claim_range(self._chunk)
+            if count == 0:
+                return
+            started, cpu = time.perf_counter(), time.thread_time()
+            for seq, rows, read in reader.chunks(first, count, columns):
+                busy = time.perf_counter() - started
+                counter[1] += busy
+                if first_worker and (more := growth.observe(busy, time.thread_time() - cpu)):
+                    self._spawn([self._read_map] * more, first_id=len(self._counters))
+                buffer.put_each(read, rows, seq)
+                counter[0] += rows
+                if self._stop.is_set():
+                    return
+                started, cpu = time.perf_counter(), time.thread_time()
 
     # ---- stopping ----
 

@@ -42,15 +42,17 @@ class EpochSource:
         seeds: per-rank seeds of this epoch: [unused, batch echo and workers,
             echo buffer, augment output].
         pool: the loader's WorkerPool (``persistent_workers``), or None.
+        memory: the loader's ``_core.BlockCache`` for the echo buffer, or None.
         for_workers: the source pickled once (worker processes), taken before
             this process reads from it, so that its reads do not leak into the
             workers' copies; else (or for running persistent workers) None.
     """
 
-    def __init__(self, config: LoaderConfig, epoch: int, skip: int = 0, pool: Any = None) -> None:
+    def __init__(self, config: LoaderConfig, epoch: int, skip: int = 0, pool: Any = None,
+                 memory: Any = None) -> None:
         self.config = config
         self.epoch = epoch
-        self.pool = pool
+        self.pool, self.memory = pool, memory
         source = config.source
         # Persistent workers that are running have their copy: no need to pickle it again.
         kept = pool is not None and pool.running

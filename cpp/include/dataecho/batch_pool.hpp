@@ -24,8 +24,20 @@ class BatchPool : public std::enable_shared_from_this<BatchPool> {
  public:
   class Lease;
 
-  static std::shared_ptr<BatchPool> create(std::size_t block_bytes, std::size_t align, std::size_t keep_free) {
-    return std::shared_ptr<BatchPool>(new BatchPool(block_bytes, align, keep_free));
+  // `cache`: where blocks come from, and where the free ones go when the pool
+  // dies (see BlockCache); none: allocated and freed.
+  static std::shared_ptr<BatchPool> create(std::size_t block_bytes, std::size_t align, std::size_t keep_free,
+                                           std::shared_ptr<BlockCache> cache = nullptr) {
+    return std::shared_ptr<BatchPool>(new BatchPool(block_bytes, align, keep_free, std::move(cache)));
+  }
+
+  // No lease is alive (each holds the pool): no consumer can see these blocks.
+  ~BatchPool() {
+    if (cache_ == nullptr || getpid() != owner_pid_) return;
+    try {
+      for (Block& block : free_) cache_->give(std::move(block));
+    } catch (...) {  // out of memory for the cache's list: the blocks are freed instead
+    }
   }
 
   // Adds a block supplied from outside (page-locked memory, say) of at least
@@ -55,7 +67,7 @@ class BatchPool : public std::enable_shared_from_this<BatchPool> {
       }
     }
     if (block.data() == nullptr) {
-      block = Block::allocate(block_bytes_, align_);
+      block = cache_ ? cache_->take(block_bytes_, align_) : Block::allocate(block_bytes_, align_);
       // Debug builds: fresh blocks read as poison too, like recycled ones (a
       // freed block's address may come back as a new one).
       poison(block.data(), block.size());
@@ -96,8 +108,8 @@ class BatchPool : public std::enable_shared_from_this<BatchPool> {
   };
 
  private:
-  BatchPool(std::size_t block_bytes, std::size_t align, std::size_t keep_free)
-      : block_bytes_(block_bytes), align_(align), keep_free_(keep_free) {}
+  BatchPool(std::size_t block_bytes, std::size_t align, std::size_t keep_free, std::shared_ptr<BlockCache> cache)
+      : block_bytes_(block_bytes), align_(align), keep_free_(keep_free), cache_(std::move(cache)) {}
 
   void give_back(Block block, bool adopted) noexcept {
     // In a forked child the mutex may have been copied locked by a thread that no
@@ -125,6 +137,7 @@ class BatchPool : public std::enable_shared_from_this<BatchPool> {
   const std::size_t block_bytes_;
   const std::size_t align_;
   const std::size_t keep_free_;
+  const std::shared_ptr<BlockCache> cache_;
   const pid_t owner_pid_ = getpid();
   mutable std::mutex mutex_;
   std::vector<Block> free_;

@@ -6,8 +6,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <utility>
+#include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -132,6 +134,62 @@ class Block {
   Release release_ = nullptr;
   void* context_ = nullptr;
   std::size_t mapped_ = 0;  // bytes mapped at data_ (0: not a mapping of ours)
+};
+
+// Freed blocks kept for the next requests of the same size: a loader's next
+// epoch builds its buffer (region and batch blocks) in the memory of the last
+// one, whose pages are already faulted in (for large examples, hundreds of MiB
+// that the kernel would otherwise map and zero again every epoch). At most
+// kMaxKept blocks, the oldest freed first. Thread-safe; the blocks are freed
+// with the cache, or by clear(). Blocks of memory owned elsewhere (adopted)
+// are never given to it.
+class BlockCache {
+ public:
+  static constexpr std::size_t kMaxKept = 16;
+
+  // A kept block of exactly `size` bytes at an `align` boundary, else a new one.
+  Block take(std::size_t size, std::size_t align) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (std::size_t i = kept_.size(); i-- > 0;) {
+        if (kept_[i].size() == size && reinterpret_cast<std::uintptr_t>(kept_[i].data()) % align == 0) {
+          Block block = std::move(kept_[i]);
+          kept_.erase(kept_.begin() + static_cast<std::ptrdiff_t>(i));
+          return block;
+        }
+      }
+    }
+    return Block::allocate(size, align);
+  }
+
+  // Keeps `block` (if it holds memory), freeing the oldest beyond kMaxKept.
+  void give(Block block) {
+    if (block.data() == nullptr) return;
+    std::vector<Block> surplus;  // freed after the lock is released
+    std::lock_guard<std::mutex> lock(mutex_);
+    kept_.push_back(std::move(block));
+    while (kept_.size() > kMaxKept) {
+      surplus.push_back(std::move(kept_.front()));
+      kept_.erase(kept_.begin());
+    }
+  }
+
+  void clear() noexcept {
+    std::vector<Block> surplus;
+    std::lock_guard<std::mutex> lock(mutex_);
+    surplus.swap(kept_);
+  }
+
+  std::size_t kept_bytes() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::size_t bytes = 0;
+    for (const Block& block : kept_) bytes += block.size();
+    return bytes;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<Block> kept_;
 };
 
 // Debug builds (-DDATAECHO_POISON=1) fill recycled memory with this byte so that a

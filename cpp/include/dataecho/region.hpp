@@ -14,6 +14,7 @@
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <new>
 
 #include "dataecho/arena.hpp"
@@ -139,6 +140,7 @@ struct RegionView {
   static RegionView create(std::byte* base, const ExampleLayout& layout, std::size_t capacity,
                            bool process_shared, std::uint64_t window = 0) {
     const RegionLayout where(layout, capacity);
+    std::memset(base, 0, sizeof(RegionHeader));  // memory may be reused (BlockCache): nothing is assumed zero
     auto* header = new (base) RegionHeader(process_shared);
     header->window = window;
     header->capacity = capacity;

@@ -70,14 +70,17 @@ namespace dataecho {
 
 class ShuffleBuffer {
  public:
-  ShuffleBuffer(ExampleLayout layout, const BufferConfig& config)
+  // `cache`: where a private region's memory comes from and goes back to, for
+  // the next buffer of the same size (see BlockCache); none: allocated and freed.
+  ShuffleBuffer(ExampleLayout layout, const BufferConfig& config, std::shared_ptr<BlockCache> cache = nullptr)
       : layout_(std::move(layout)),
         config_(validated(config)),
+        cache_(std::move(cache)),
         region_(make_region()),
         producer_(layout_, region_),
         // The ready queue, the batch being assembled and one being handed over:
         // what a steady consumer cycles through, kept for reuse.
-        pool_(BatchPool::create(layout_.batch_bytes(), layout_.batch_align(), config_.prefetch + 2)),
+        pool_(BatchPool::create(layout_.batch_bytes(), layout_.batch_align(), config_.prefetch + 2, cache_)),
         ready_(config_.prefetch, config_.auto_echo ? &region_.committed->not_empty() : nullptr),
         assembler_(config_, layout_, region_, *pool_, ready_, stop_, desk_) {
     DATAECHO_CHECK(layout_.batch_size() == config_.batch_size);
@@ -95,6 +98,14 @@ class ShuffleBuffer {
     stop();
     if (thread_.joinable()) thread_.join();
     if (shared_) shared_->unlink();
+    // Producers are gone (the caller's contract) and the assembler joined: no
+    // one touches the region any more.
+    if (cache_) {
+      try {
+        cache_->give(std::move(private_));
+      } catch (...) {  // out of memory for the cache's list: the region is freed instead
+      }
+    }
   }
 
   // ---- producers (any thread) ----
@@ -229,7 +240,8 @@ class ShuffleBuffer {
       shared_.emplace(SharedMemory::create(where.total_bytes));
       base = shared_->data();
     } else {
-      private_ = Block::allocate(where.total_bytes, std::max(where.align, kCacheLine));
+      const std::size_t align = std::max(where.align, kCacheLine);
+      private_ = cache_ ? cache_->take(where.total_bytes, align) : Block::allocate(where.total_bytes, align);
       base = private_.data();
     }
     // The window: at most batch_size - 1 examples wait out of order for an
@@ -276,6 +288,7 @@ class ShuffleBuffer {
   ExampleLayout layout_;
   BufferConfig config_;
 
+  std::shared_ptr<BlockCache> cache_;   // see the constructor
   std::optional<SharedMemory> shared_;  // the region, when shared
   Block private_;                       // the region, when private
   RegionView region_;
