@@ -277,10 +277,7 @@ class EchoLoader:
         current = self._current
         if current is not None:
             current.close()
-        if self.__dict__.get("_pool") is not None:
-            self._pool.close(PROCESS_GRACE_S)
-        if self.__dict__.get("_memory") is not None:
-            self._memory.clear()
+        _release(self.__dict__)
 
     def stats(self, flat: bool = False, prefix: str = "dataecho/") -> dict[str, Any]:
         """Counters over every epoch and the current one; ``flat=True`` for a metrics logger (dataecho.stats)."""
@@ -295,6 +292,15 @@ class EchoLoader:
     def __del__(self) -> None:
         if "_current_ref" in self.__dict__:
             self.close()
+
+
+def _release(kept: dict[str, Any]) -> None:
+    """Frees what a loader keeps between epochs (given its ``__dict__``, which a
+    half-built loader may lack): persistent workers, echo-buffer memory."""
+    if kept.get("_pool") is not None:
+        kept["_pool"].close(PROCESS_GRACE_S)
+    if kept.get("_memory") is not None:
+        kept["_memory"].clear()
 
 
 def _ended(loader: EchoLoader, resume: dict[str, Any] | None, counters: dict[str, Any], workers: list) -> None:
