@@ -102,7 +102,8 @@ def endless(make_epoch: Callable[[], Iterable[Any]]) -> Iterator[Any]:
 def timed(batches: Iterator[Any], seconds: float) -> dict:
     rate = SteadyRate(warmup=WARMUP_BATCHES * BATCH, seconds=seconds)
     for batch in batches:
-        if rate.add(len(batch)):
+        rows = next(iter(batch.values())) if isinstance(batch, dict) else batch  # a batch of columns
+        if rate.add(len(rows)):
             break
     return rate.result()
 

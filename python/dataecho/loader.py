@@ -78,9 +78,9 @@ class EchoLoader:
             the seed alone, and resumable mid-epoch.
         shuffle_buffer: examples resident in the echo buffer (default 4096); with
             ``echo_at="batch"``, batches resident in the batch buffer (default 16).
-        workers: (DataLoader's ``num_workers``) producer threads or processes
-            (and augment threads); default 2. 0 reads the source in the calling
-            thread when a batch is asked for, as DataLoader(num_workers=0).
+        workers: (DataLoader's ``num_workers``) producer threads or processes (and
+            augment threads). Not given: one reading thread, more while reads wait
+            (dataecho.producers), 2 processes. 0 reads in the calling thread.
         shuffle: map-style sources: a new random order every epoch (default
             True, False with a ``sampler``). With False the reading order is the
             dataset's (or the sampler's), and at ``echo_factor=1`` the batches
