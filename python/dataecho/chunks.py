@@ -30,7 +30,7 @@ from .fields import Field, to_field_array
 from .stage import stop_iteration_error
 from .structure import Structure
 
-__all__ = ["CHUNK", "Columns", "map_reader", "source_array"]
+__all__ = ["CHUNK", "Columns", "chunked", "map_reader", "source_array"]
 
 CHUNK = 64  # positions claimed at a time
 SLICE_S = 0.01  # examples read one by one are put at least this often, however slow they are
@@ -68,6 +68,22 @@ class Columns:
         return values[:exact] + [
             to_field_array(self.structure.leaf(v, leaf), field, None, "put()") for v in values[exact:]
         ]
+
+
+def chunked(iterator: Iterator[Any], first_seq: int = 0) -> Iterator[tuple[int, list]]:
+    """An iterable source's examples in chunks: (number of the first, up to
+    CHUNK examples read within SLICE_S), numbered from ``first_seq``."""
+    seq = first_seq
+    while True:
+        examples, started = [], time.perf_counter()
+        for example in iterator:
+            examples.append(example)
+            if len(examples) == CHUNK or time.perf_counter() - started > SLICE_S:
+                break
+        if not examples:
+            return
+        yield seq, examples
+        seq += len(examples)
 
 
 def _scalars(values: list, field: Field) -> np.ndarray | None:

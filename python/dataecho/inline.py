@@ -11,10 +11,10 @@ thread-safe, or that must run in the main thread, works as under DataLoader.
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from typing import Iterator
 
 from .buffer import NativeBuffer
-from .chunks import CHUNK, SLICE_S, Chunk, Columns
+from .chunks import CHUNK, Chunk, Columns, chunked
 from .source import EpochSource
 from .structure import Structure
 
@@ -79,17 +79,9 @@ class InlineReader:
             yield from reader.chunks(first, count, columns)
 
     def _iterated(self, first_seq: int) -> Iterator[Chunk]:
-        source, columns, seq = self._source, Columns(self._structure, self._buffer.fields), first_seq
-        while True:
-            examples, started = [], time.perf_counter()
-            for example in source.iterator:
-                examples.append(source.transformed(example))
-                if len(examples) == CHUNK or time.perf_counter() - started > SLICE_S:
-                    break
-            if not examples:
-                return
-            yield seq, len(examples), columns.of(examples)
-            seq += len(examples)
+        source, columns = self._source, Columns(self._structure, self._buffer.fields)
+        for seq, examples in chunked(source.iterator, first_seq):
+            yield seq, len(examples), columns.of([source.transformed(e) for e in examples])
 
     # the stage protocol's producer side: nothing runs on its own
 

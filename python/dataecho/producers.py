@@ -1,9 +1,11 @@
 """Producer threads: read the source, run ``transform``, put examples into a buffer.
 
 Map-style sources (``__len__`` + ``__getitem__``) are read by every worker,
-each taking the next index of the epoch's order. Iterable sources are read by
-one thread; with a ``transform`` the examples are fanned out to the workers
-through a small queue, so that the transform runs on all of them.
+each claiming the next chunk of positions of the epoch's order. Iterable
+sources are read by one thread; with a ``transform`` chunks of examples are
+fanned out to the workers through a small queue, so that the transform runs on
+all of them. Either way a chunk goes into the buffer in one native call
+(dataecho.chunks).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from .buffer import NativeBuffer
-from .chunks import CHUNK, Columns
+from .chunks import CHUNK, Columns, chunked
 from .errors import BufferClosed
 from .stage import Failure
 from .structure import Structure
@@ -86,26 +88,31 @@ class Producers:
         self._spawn([self._read_map] * self._workers)
 
     def start_iterable(self, iterator: Iterator[Any], first_seq: int = 0) -> None:
-        """Reads ``iterator`` on one thread; transforms on ``workers`` threads.
-        Examples are numbered in reading order from ``first_seq``."""
-        numbered = enumerate(iterator, first_seq)
+        """Reads ``iterator`` on one thread, in chunks (dataecho.chunks.chunked);
+        transforms on ``workers`` threads. Examples are numbered in reading order
+        from ``first_seq``."""
+        chunks = chunked(iterator, first_seq)
+        columns = Columns(self._structure, self._buffer.fields)
         if self._transform is None:
 
             def read() -> None:
-                start = time.perf_counter()
-                for seq, example in numbered:
+                counter = self._counters.setdefault(threading.current_thread(), [0, 0.0])
+                started = time.perf_counter()
+                for seq, examples in chunks:
+                    counter[1] += time.perf_counter() - started
                     if self._stop.is_set():
                         return
-                    self._put(example, start, seq)
-                    start = time.perf_counter()
+                    self._buffer.put_each(columns.of(examples), len(examples), seq)
+                    counter[0] += len(examples)
+                    started = time.perf_counter()
 
             self._spawn([read], initialized=1)
             return
-        handoff: queue.Queue = queue.Queue(maxsize=4 * self._workers)
+        handoff: queue.Queue = queue.Queue(maxsize=2 * self._workers)
 
         def read_and_hand_off() -> None:
             try:
-                for item in numbered:
+                for item in chunks:
                     if not self._offer(handoff, item):
                         return
             finally:
@@ -113,6 +120,7 @@ class Producers:
                     self._offer(handoff, _END)
 
         def work() -> None:
+            counter = self._counters.setdefault(threading.current_thread(), [0, 0.0])
             while not self._stop.is_set():
                 try:
                     item = handoff.get(timeout=0.05)
@@ -120,8 +128,12 @@ class Producers:
                     continue
                 if item is _END:
                     return
-                seq, example = item
-                self._put(example, time.perf_counter(), seq)
+                seq, examples = item
+                started = time.perf_counter()
+                examples = [self._transform(example) for example in examples]
+                counter[1] += time.perf_counter() - started
+                self._buffer.put_each(columns.of(examples), len(examples), seq)
+                counter[0] += len(examples)
 
         self._spawn([work] * self._workers + [read_and_hand_off], initialized=self._workers)
 
@@ -201,16 +213,6 @@ class Producers:
                 last = self._running == 0
         if last and not self._stop.is_set():
             self._buffer.close()
-
-    def _put(self, example: Any, started: float, seq: int) -> None:
-        """Transforms and puts example number `seq`; `started` is when reading it began."""
-        if self._transform is not None:
-            example = self._transform(example)
-        leaves = self._structure.flatten(example)
-        counter = self._counters.setdefault(threading.current_thread(), [0, 0.0])
-        counter[1] += time.perf_counter() - started
-        self._buffer.put_values(leaves, seq=seq)
-        counter[0] += 1
 
     def _offer(self, handoff: queue.Queue, item: Any) -> bool:
         while not self._stop.is_set():
