@@ -198,6 +198,35 @@ def test_a_transform_runs_on_each_example_getitems_returns(seed):
         assert (batch["twice"] == batch["id"] * 2.0).all() and batch["twice"].dtype == np.float64
 
 
+class SlowReads:
+    """Reads that take 20 ms each (more than a chunk's time slice), counted."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.reads = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        self.reads += 1
+        time.sleep(0.02)
+        return {"id": i, "payload": payload_of([i])[0]}
+
+    def __iter__(self):
+        return (self[i] for i in range(self.n))
+
+
+@pytest.mark.parametrize("iterable", [False, True])
+def test_slow_reads_are_put_as_they_come_not_a_whole_chunk_later(iterable, seed):
+    source = SlowReads(200)
+    loader = dataecho.EchoLoader(iter(source) if iterable else source, batch_size=2, shuffle_buffer=4,
+                                 echo_factor=1, workers=1, seed=seed)
+    epoch = iter(loader)
+    next(epoch)
+    assert source.reads < CHUNK // 4, f"the first batch came after {source.reads} reads: chunks wait for slow reads"
+    epoch.close()
+
+
 # ---- the per-example path's columns ----
 
 
