@@ -52,6 +52,37 @@ def test_a_numpy_array_is_read_natively_exactly(workers, echo, seed):
     check_id_rows(loader, N, echo)
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+def test_worker_processes_read_an_array_natively_exactly(persistent, seed):
+    loader = dataecho.EchoLoader(id_rows(N), batch_size=64, echo_factor=2, workers=2, worker_type="process",
+                                 persistent_workers=persistent, seed=seed)
+    for _ in range(2):
+        check_id_rows(loader, N, 2)
+    loader.close()
+
+
+class BatchedRows:
+    """``__getitems__`` over id rows, picklable for worker processes."""
+
+    def __init__(self, n: int) -> None:
+        self.rows = id_rows(n)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.rows[i]
+
+    def __getitems__(self, indices: list[int]) -> list[np.ndarray]:
+        return list(self.rows[indices])
+
+
+def test_worker_processes_read_getitems_exactly(seed):
+    loader = dataecho.EchoLoader(BatchedRows(N), batch_size=64, echo_factor=1, workers=2, worker_type="process",
+                                 seed=seed)
+    check_id_rows(loader, N)
+
+
 def test_a_memmap_is_read_natively_exactly(tmp_path, seed):
     path = tmp_path / "rows.bin"
     id_rows(N).tofile(path)
