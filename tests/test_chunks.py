@@ -16,6 +16,7 @@ from typing import Any
 import datasets
 import numpy as np
 import pytest
+import torch
 from support import PAYLOAD, Records, drain, kept_bytes, payload_of
 
 import dataecho
@@ -337,6 +338,18 @@ def test_an_arrow_dataset_keeps_its_selected_columns(hf_rows, seed):
     batch = next(iter(dataecho.EchoLoader(dataset, batch_size=64, echo_factor=1, seed=seed)))
     assert list(batch) == list(dataset[0]) and sorted(batch) == ["id", "x"], "the columns, in the dataset's order"
     assert (batch["x"] == payload_of(batch["id"])).all()
+
+
+def test_a_dataset_with_a_transform_of_its_own_is_read_through_it(hf_rows, seed):
+    def doubled(batch):  # HF's with_transform: applied by the dataset to every row it returns
+        return {"id": batch["id"], "twice": [2 * i for i in batch["id"]]}
+
+    dataset = hf_rows.with_transform(doubled)
+    batch = next(iter(dataecho.EchoLoader(dataset, batch_size=64, echo_factor=1, seed=seed)))
+    assert list(batch) == ["id", "twice"] and (batch["twice"] == 2 * batch["id"]).all()
+    half = hf_rows.with_format("torch", dtype=torch.float16)  # a format option: HF casts, so it reads the rows
+    batch = next(iter(dataecho.EchoLoader(half, batch_size=64, echo_factor=1, seed=seed)))
+    assert batch["x"].dtype == np.float16
 
 
 def test_an_arrow_column_of_ragged_lists_is_an_error_that_names_it():

@@ -230,9 +230,15 @@ class ArrowReader:
 
     @staticmethod
     def reads(source: Any) -> bool:
-        """An Arrow-backed dataset whose columns are all numbers, or nested lists of them."""
+        """An Arrow-backed dataset whose columns are all numbers, or nested lists
+        of them, in a format that only turns its rows into arrays (no transform
+        of its own, such as ``with_transform``, no dtype or other option)."""
         if not (type(source).__module__.startswith("datasets.") and hasattr(source, "with_format")
                 and hasattr(source, "features")):
+            return False
+        form = getattr(source, "format", None) or {}
+        if form.get("type") not in _PLAIN_FORMATS or form.get("output_all_columns") or any(
+                value is not None for value in (form.get("format_kwargs") or {}).values()):
             return False
         import pyarrow as pa
 
@@ -257,6 +263,9 @@ class ArrowReader:
     def _read(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         table = self._view[indices.tolist()]
         return {name: _to_numpy(name, table.column(name), len(indices)) for name in table.column_names}
+
+
+_PLAIN_FORMATS = (None, "python", "numpy", "np", "torch", "pt", "arrow", "pa")
 
 
 def _numeric(arrow_type: Any, pa: Any) -> bool:
