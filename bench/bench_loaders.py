@@ -23,8 +23,10 @@ array, where tensorflow imports (the reference for sources read without
 Python per example); and the bare loop: one thread calling ``source[i]`` in a
 Python loop, nothing else (the reference for per-example sources).
 
-A Hugging Face ``datasets.Dataset`` of 12 KiB rows (torch format) is read by
-``EchoLoader`` and by ``DataLoader(num_workers=2)``, where datasets imports.
+A torch ``TensorDataset`` of 12 KiB rows (and int64 ids) is read by
+``EchoLoader`` and by ``DataLoader`` with 0 and 2 workers; a Hugging Face
+``datasets.Dataset`` of 12 KiB rows (torch format) by ``EchoLoader`` and by
+``DataLoader(num_workers=2)``, where datasets imports.
 
 Rates are delivered examples/s in steady state (after 4 batches), epochs
 included, the median of ``repeat`` interleaved rounds.
@@ -102,7 +104,8 @@ def endless(make_epoch: Callable[[], Iterable[Any]]) -> Iterator[Any]:
 def timed(batches: Iterator[Any], seconds: float) -> dict:
     rate = SteadyRate(warmup=WARMUP_BATCHES * BATCH, seconds=seconds)
     for batch in batches:
-        rows = next(iter(batch.values())) if isinstance(batch, dict) else batch  # a batch of columns
+        # A batch of columns (a dict or a tuple of leaves) or one array.
+        rows = next(iter(batch.values())) if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) else batch
         if rate.add(len(rows)):
             break
     return rate.result()
@@ -229,6 +232,25 @@ def run_hf(seconds: float, repeat: int, available: dict[str, bool]) -> list[dict
              "ex_s": median_run(r)["ex_s"]} for name, r in results.items()]
 
 
+def run_tensor_dataset(seconds: float, repeat: int, available: dict[str, bool]) -> list[dict]:
+    """A torch ``TensorDataset`` of 12 KiB uint8 rows and int64 ids: EchoLoader against DataLoader(0 and 2 workers)."""
+    if not available["torch"]:
+        return []
+    import torch
+
+    rows = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (1 << 14, 12 << 10), dtype=np.uint8))
+    dataset = torch.utils.data.TensorDataset(rows, torch.arange(len(rows)))
+    runs = {ECHO: lambda: run_echo(dataset, seconds), DL0: lambda: run_dataloader(dataset, seconds, 0),
+            DL2: lambda: run_dataloader(dataset, seconds, 2)}
+    results: dict[str, list[dict]] = {name: [] for name in runs}
+    for _ in range(repeat):
+        for name, fn in runs.items():
+            print(f"running TensorDataset, 12 KiB: {name} ...", file=sys.stderr, flush=True)
+            results[name].append(fn())
+    return [{"size": "12 KiB", "source": "torch TensorDataset", "contestant": name, "ex_s": median_run(r)["ex_s"]}
+            for name, r in results.items()]
+
+
 def rate(rows: list[dict], size: str, source: str, name: str) -> float | None:
     return next((r["ex_s"] for r in rows if (r["size"], r["source"], r["contestant"]) == (size, source, name)), None)
 
@@ -295,7 +317,8 @@ def available_libraries() -> dict[str, bool]:
 def run(seconds: float, repeat: int) -> tuple[list[dict], list[dict]]:
     """The loader matrix and the HF rows, and their targets."""
     available = available_libraries()
-    rows = run_matrix(seconds, repeat, available) + run_hf(seconds, repeat, available)
+    rows = (run_matrix(seconds, repeat, available) + run_tensor_dataset(seconds, repeat, available)
+            + run_hf(seconds, repeat, available))
     return rows, targets(rows)
 
 

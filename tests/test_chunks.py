@@ -108,6 +108,21 @@ def test_strided_rows_are_read_directly_and_rows_that_are_not_contiguous_by_a_co
     assert seen == Counter(range(2 * N))
 
 
+def test_a_tensor_dataset_is_read_natively_as_tuples_of_its_tensors(seed):
+    ids = torch.arange(N)
+    features = torch.from_numpy(id_rows(N, 6).astype(np.float32)).t().contiguous().t()  # rows strided
+    dataset = torch.utils.data.TensorDataset(features, ids, torch.from_numpy(payload_of(np.arange(N))))
+    seen: Counter = Counter()
+    for x, i, payload in dataecho.EchoLoader(dataset, batch_size=64, echo_factor=1, seed=seed):
+        assert x.dtype == np.float32 and i.dtype == np.int64 and payload.dtype == np.uint8
+        assert (x == id_rows(N, 6)[i]).all() and (payload == payload_of(i)).all()
+        seen.update(i.tolist())
+    assert seen == Counter(range(N))
+    raw = torch.utils.data.TensorDataset(ids, features.to(torch.bfloat16))  # a dtype NumPy lacks: read per example
+    i, x = next(iter(dataecho.EchoLoader(raw, batch_size=64, echo_factor=1, seed=seed, output="torch")))
+    assert x.dtype == torch.bfloat16 and (x.float() == features[i].to(torch.bfloat16).float()).all()
+
+
 def test_a_buffer_protocol_source_is_read_as_its_array(seed):
     values = array.array("d", (float(i) for i in range(N)))
     batches = list(dataecho.EchoLoader(values, batch_size=64, echo_factor=1, seed=seed))

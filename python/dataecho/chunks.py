@@ -6,9 +6,10 @@ once, reads them, converts them column by column (one list or stacked array per
 leaf), and puts them with one native call, which copies every row into its slot
 without the GIL. How a chunk is read depends on the source:
 
-* a NumPy array or memmap (or any buffer with a leading example axis), without
-  ``transform``: no Python per example; the native put copies row ``order[p]``
-  of the array straight into a slot (:class:`ArrayReader`);
+* a NumPy array or memmap (or any buffer with a leading example axis), or a
+  torch ``TensorDataset`` of CPU tensors, without ``transform``: no Python per
+  example; the native put copies row ``order[p]`` of each array straight into
+  a slot (:class:`ArrayReader`);
 * a Hugging Face ``datasets.Dataset`` (Arrow-backed), without ``transform``:
   one Arrow ``take`` per chunk, converted to NumPy columns; leaves have the
   Arrow column's type, as declared in the dataset's features
@@ -30,7 +31,7 @@ from .fields import Field, to_field_array
 from .stage import stop_iteration_error
 from .structure import Structure
 
-__all__ = ["CHUNK", "Columns", "chunked", "map_reader", "source_array"]
+__all__ = ["CHUNK", "Columns", "chunked", "map_reader", "rows_contiguous", "source_array", "tensor_arrays"]
 
 CHUNK = 64  # positions claimed at a time
 SLICE_S = 0.01  # examples read one by one are put at least this often, however slow they are
@@ -120,6 +121,24 @@ def source_array(source: Any) -> np.ndarray | None:
     return array
 
 
+def tensor_arrays(source: Any) -> list[np.ndarray] | None:
+    """A torch ``TensorDataset``'s CPU tensors as the arrays over their memory,
+    where each has a NumPy dtype; else None."""
+    tensors = getattr(source, "tensors", None)
+    if type(source).__name__ != "TensorDataset" or not isinstance(tensors, tuple) or not tensors:
+        return None
+    arrays = []
+    for tensor in tensors:
+        try:
+            array = tensor.detach().numpy()  # refuses a GPU tensor or a dtype NumPy lacks (bfloat16)
+        except (TypeError, RuntimeError, AttributeError):
+            return None
+        if source_array(array) is None:
+            return None
+        arrays.append(array)
+    return arrays
+
+
 def rows_contiguous(array: np.ndarray) -> bool:
     """Whether each row's own bytes are C-contiguous (the rows may be strided):
     what the native put needs to copy rows straight from the array."""
@@ -136,7 +155,10 @@ def map_reader(source: Any, transform: Any, order: np.ndarray) -> ArrayReader | 
     if transform is None:
         array = source_array(source)
         if array is not None:
-            return ArrayReader(array, order)
+            return ArrayReader([array], order)
+        tensors = tensor_arrays(source)
+        if tensors is not None:
+            return ArrayReader(tensors, order, as_tuple=True)
         if ArrowReader.reads(source):
             return ArrowReader(source, order)
     return ExampleReader(source, transform, order)
@@ -201,22 +223,26 @@ class ExampleReader:
 
 
 class ArrayReader:
-    """Rows of an array, copied natively from the array into the slots."""
+    """Rows of arrays, copied natively from the arrays into the slots: one array
+    (examples are its rows), or a torch ``TensorDataset``'s tensors (examples
+    are tuples of their rows)."""
 
-    def __init__(self, array: np.ndarray, order: np.ndarray) -> None:
-        self._array, self._order = array, order
-        self._direct = rows_contiguous(array)
+    def __init__(self, arrays: list[np.ndarray], order: np.ndarray, as_tuple: bool = False) -> None:
+        self._arrays, self._order, self._tuple = arrays, order, as_tuple
+        self._direct = [rows_contiguous(array) for array in arrays]
 
     def one(self, position: int) -> Any:
-        return self._array[int(self._order[position])]
+        i = int(self._order[position])
+        rows = tuple(array[i] for array in self._arrays)
+        return rows if self._tuple else rows[0]
 
     def chunks(self, first: int, count: int, columns: Columns) -> Iterator[Chunk]:
         indices = np.asarray(self._order[first:first + count], dtype=np.int64)  # checked by epoch_order
-        if self._direct:
-            yield first, count, [(self._array, indices)]
-        else:
-            rows = np.take(self._array, indices, axis=0)
-            yield first, count, [to_field_array(rows, columns.fields[0], count, "put()")]
+        yield first, count, [
+            (array, indices) if direct
+            else to_field_array(np.take(array, indices, axis=0), field, count, "put()")
+            for array, direct, field in zip(self._arrays, self._direct, columns.fields)
+        ]
 
 
 class ArrowReader:
