@@ -105,7 +105,9 @@ def timed(batches: Iterator[Any], seconds: float) -> dict:
     rate = SteadyRate(warmup=WARMUP_BATCHES * BATCH, seconds=seconds)
     for batch in batches:
         # A batch of columns (a dict or a tuple of leaves) or one array.
-        rows = next(iter(batch.values())) if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) else batch
+        if isinstance(batch, dict):
+            batch = next(iter(batch.values()))
+        rows = batch[0] if isinstance(batch, (tuple, list)) else batch
         if rate.add(len(rows)):
             break
     return rate.result()

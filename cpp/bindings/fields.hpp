@@ -45,10 +45,23 @@ inline std::vector<std::size_t> field_bytes(const std::vector<FieldSpec>& specs)
   return bytes;
 }
 
-// One pointer per field of `arrays` (a list), after checking that each is a
-// C-contiguous array of exactly the declared byte count (times `rows` for
-// stacked arrays). The temporaries it makes are gone when it returns, so the
-// caller's frame holds only borrowed references (see blocking.hpp).
+// The data of `item` after checking that it is a C-contiguous array of
+// exactly `bytes` bytes, or of `rows` such rows stacked along its first axis;
+// errors name it as `<kind> <field>` ("example: field 2", "column 0").
+inline const void* checked_data(py::handle item, std::size_t bytes, std::optional<std::size_t> rows,
+                                const char* kind, std::size_t field) {
+  const auto name = [&] { return std::string(kind) + " " + std::to_string(field); };
+  if (!py::isinstance<py::array>(item)) throw py::type_error(name() + " is not an array");
+  const auto a = py::reinterpret_borrow<py::array>(item);
+  if (!(a.flags() & py::array::c_style) || static_cast<std::size_t>(a.nbytes()) != bytes * rows.value_or(1) ||
+      (rows && (a.ndim() < 1 || static_cast<std::size_t>(a.shape(0)) != *rows)))
+    throw py::value_error(name() + " is not C-contiguous of the declared size");
+  return a.data();
+}
+
+// One pointer per field of `arrays` (a list), each checked by checked_data
+// (`rows` for stacked arrays). The temporaries it makes are gone when it
+// returns, so the caller's frame holds only borrowed references (see blocking.hpp).
 inline std::vector<const void*> field_pointers(const std::vector<FieldSpec>& specs, py::handle arrays,
                                                std::optional<std::size_t> rows) {
   if (!PyList_Check(arrays.ptr())) throw py::type_error("arrays: expected a list of arrays, one per field");
@@ -58,17 +71,8 @@ inline std::vector<const void*> field_pointers(const std::vector<FieldSpec>& spe
                           std::to_string(items.size()));
   std::vector<const void*> pointers;
   pointers.reserve(items.size());
-  for (std::size_t f = 0; f < items.size(); ++f) {
-    if (!py::isinstance<py::array>(items[f]))
-      throw py::type_error("example: field " + std::to_string(f) + " is not a NumPy array");
-    const auto a = py::reinterpret_borrow<py::array>(items[f]);
-    const std::size_t expected = specs[f].bytes * rows.value_or(1);
-    if (!(a.flags() & py::array::c_style) || static_cast<std::size_t>(a.nbytes()) != expected ||
-        (rows && (a.ndim() < 1 || static_cast<std::size_t>(a.shape(0)) != *rows)))
-      throw py::value_error("example: field " + std::to_string(f) +
-                            " is not a C-contiguous array of the declared size");
-    pointers.push_back(a.data());
-  }
+  for (std::size_t f = 0; f < items.size(); ++f)
+    pointers.push_back(checked_data(items[f], specs[f].bytes, rows, "example: field", f));
   return pointers;
 }
 
@@ -146,19 +150,12 @@ inline std::vector<const void*> row_pointers(const std::vector<FieldSpec>& specs
       // Memory safety needs the byte count only: the caller converted the values.
       if (PyList_GET_SIZE(column.ptr()) != static_cast<py::ssize_t>(n))
         throw py::value_error("column " + std::to_string(f) + ": expected " + std::to_string(n) + " arrays");
-      for (std::size_t i = 0; i < n; ++i) {
-        py::handle item = PyList_GET_ITEM(column.ptr(), i);
-        if (!py::isinstance<py::array>(item)) throw py::type_error("column " + std::to_string(f) + ": not an array");
-        const auto a = py::reinterpret_borrow<py::array>(item);
-        if (!(a.flags() & py::array::c_style) || static_cast<std::size_t>(a.nbytes()) != specs[f].bytes)
-          throw py::value_error("column " + std::to_string(f) + ": an array is not C-contiguous of the declared size");
-        rows[i * fields + f] = a.data();
-      }
+      for (std::size_t i = 0; i < n; ++i)
+        rows[i * fields + f] =
+            checked_data(PyList_GET_ITEM(column.ptr(), i), specs[f].bytes, std::nullopt, "column", f);
     } else {
-      const auto one = py::list(1);
-      one[0] = column;
-      const void* base = field_pointers({specs[f]}, one, n)[0];
-      for (std::size_t i = 0; i < n; ++i) rows[i * fields + f] = static_cast<const std::byte*>(base) + i * specs[f].bytes;
+      const auto* base = static_cast<const std::byte*>(checked_data(column, specs[f].bytes, n, "column", f));
+      for (std::size_t i = 0; i < n; ++i) rows[i * fields + f] = base + i * specs[f].bytes;
     }
   }
   return rows;

@@ -196,7 +196,6 @@ void register_buffer(py::module_& m) {
            py::arg("first_seq") = 0, py::arg("done") = 0)
       .def("claim_range", [](PyBuffer& b, std::uint64_t count) { return b.core().producer().claim_range(count); },
            py::arg("count"))
-      .def("claim_index", [](PyBuffer& b) { return b.core().producer().claim_index(); })
       .def("set_index_range",
            [](PyBuffer& b, std::uint64_t begin, std::uint64_t end) { b.core().set_index_range(begin, end); },
            py::arg("begin"), py::arg("end"))

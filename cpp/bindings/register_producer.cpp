@@ -75,7 +75,6 @@ void register_producer(py::module_& m) {
            py::arg("first_seq") = 0, py::arg("done") = 0)
       .def("claim_range", [](PyProducer& p, std::uint64_t count) { return p.producer().claim_range(count); },
            py::arg("count"))
-      .def("claim_index", [](PyProducer& p) { return p.producer().claim_index(); })
       .def("record", [](PyProducer& p, std::size_t worker, std::uint64_t produced, std::uint64_t busy_ns) {
         p.producer().record(worker, produced, busy_ns);
       }, py::arg("worker"), py::arg("produced"), py::arg("busy_ns"))

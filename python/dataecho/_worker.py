@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import _core
-from .chunks import Columns, map_reader
+from .chunks import Columns, claimed, map_reader
 from .fields import Field, to_field_array
 from .structure import Structure
 
@@ -158,21 +158,16 @@ def _read_map(spec: WorkerSpec, producer: Any, meter: _Meter, orphaned: Any) -> 
     """Reads the positions this worker claims, a chunk at a time (dataecho.chunks);
     a claimed position is also the example's sequence number."""
     reader = map_reader(spec.source, spec.transform, spec.order)
-    columns = Columns(spec.structure, spec.fields)
-    while True:
-        first, count = producer.claim_range(spec.chunk)
-        if count == 0:
-            return
+    start = time.perf_counter()
+    for seq, rows, read in claimed(producer.claim_range, spec.chunk, reader, Columns(spec.structure, spec.fields)):
+        meter.busy(time.perf_counter() - start)
+        done = 0
+        while done < rows:
+            status, done = producer.put_each(read, rows, 1.0, seq, done)
+            if status == _CLOSED or (done < rows and orphaned()):
+                return
+        meter.produced(rows)
         start = time.perf_counter()
-        for seq, rows, read in reader.chunks(first, count, columns):
-            meter.busy(time.perf_counter() - start)
-            done = 0
-            while done < rows:
-                status, done = producer.put_each(read, rows, 1.0, seq, done)
-                if status == _CLOSED or (done < rows and orphaned()):
-                    return
-            meter.produced(rows)
-            start = time.perf_counter()
 
 
 def _produce(spec: WorkerSpec, producer: Any, meter: _Meter, orphaned: Any, example: Any, seq: int) -> bool:

@@ -113,10 +113,6 @@ class NativeBuffer:
         (first, how many), how many 0 when all are claimed."""
         return self._core.claim_range(count)
 
-    def claim_index(self) -> int:
-        """The next position of a map-style order to read, or -1 when all are claimed."""
-        return self._core.claim_index()
-
     def set_index_range(self, begin: int, end: int) -> None:
         """Positions [begin, end) are to be claimed (before any producer starts)."""
         self._core.set_index_range(begin, end)

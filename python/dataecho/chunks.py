@@ -31,7 +31,7 @@ from .fields import Field, to_field_array
 from .stage import stop_iteration_error
 from .structure import Structure
 
-__all__ = ["CHUNK", "Columns", "chunked", "map_reader", "rows_contiguous", "source_array", "tensor_arrays"]
+__all__ = ["CHUNK", "Columns", "chunked", "claimed", "map_reader", "rows_contiguous", "source_array", "tensor_arrays"]
 
 CHUNK = 64  # positions claimed at a time
 SLICE_S = 0.01  # examples read one by one are put at least this often, however slow they are
@@ -69,6 +69,16 @@ class Columns:
         return values[:exact] + [
             to_field_array(self.structure.leaf(v, leaf), field, None, "put()") for v in values[exact:]
         ]
+
+
+def claimed(claim_range: Any, chunk: int, reader: Any, columns: Columns) -> Iterator[Chunk]:
+    """The chunks of the positions a worker claims, ``chunk`` at a time, from a
+    buffer's ``claim_range`` (in this process or a worker's), until all are claimed."""
+    while True:
+        first, count = claim_range(chunk)
+        if count == 0:
+            return
+        yield from reader.chunks(first, count, columns)
 
 
 def chunked(iterator: Iterator[Any], first_seq: int = 0) -> Iterator[tuple[int, list]]:
@@ -171,6 +181,7 @@ class ExampleReader:
         self._source, self._transform, self._order = source, transform, order
         self._getitems = getattr(source, "__getitems__", None)
         self._quick = False  # per-example reads measured fast (see chunks)
+        self._reader_name = "source" if transform is None else "source or transform"
 
     def one(self, position: int) -> Any:
         """The example at ``position`` of the order, transformed."""
@@ -194,26 +205,31 @@ class ExampleReader:
                 examples = [self._transformed(e) for e in examples]
             yield first, count, columns.of(examples)
             return
-        source, transform, done = self._source, self._transform, 0
-        while done < count:
-            started = time.perf_counter()
-            try:
-                if self._quick:  # reads that fast: one comprehension, no clock per example
-                    part = indices[done:]
-                    examples = [source[i] for i in part] if transform is None else [transform(source[i]) for i in part]
-                else:
-                    examples = []
-                    for i in indices[done:]:
-                        example = source[i]
-                        examples.append(example if transform is None else transform(example))
-                        if time.perf_counter() - started > SLICE_S:
-                            break
-            except StopIteration as stop:
-                raise stop_iteration_error(stop, "source" if transform is None else "source or transform") from stop
+        started = time.perf_counter()
+        for seq, examples in self._quick_read(indices, first) if self._quick else chunked(self._read(indices), first):
             # Quick when a whole chunk reads in under half the slice.
             self._quick = (time.perf_counter() - started) * CHUNK < SLICE_S / 2 * len(examples)
-            yield first + done, len(examples), columns.of(examples)
-            done += len(examples)
+            yield seq, len(examples), columns.of(examples)
+            started = time.perf_counter()
+
+    def _read(self, indices: list[int]) -> Iterator[Any]:
+        """The examples at ``indices``, transformed, one by one."""
+        source, transform = self._source, self._transform
+        try:
+            for i in indices:
+                example = source[i]
+                yield example if transform is None else transform(example)
+        except StopIteration as stop:
+            raise stop_iteration_error(stop, self._reader_name) from stop
+
+    def _quick_read(self, indices: list[int], first: int) -> Iterator[tuple[int, list]]:
+        """``_read``'s examples in one chunk, by one list comprehension: no clock per example."""
+        source, transform = self._source, self._transform
+        try:
+            examples = [source[i] for i in indices] if transform is None else [transform(source[i]) for i in indices]
+        except StopIteration as stop:
+            raise stop_iteration_error(stop, self._reader_name) from stop
+        yield first, examples
 
     def _transformed(self, example: Any) -> Any:
         try:

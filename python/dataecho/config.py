@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import _checks, _core
+from .chunks import CHUNK
 from .dataloader_args import DEFAULT_WORKERS as DEFAULT_THREADS
 from .dataloader_args import resolve
 from .distributed import Shard, resolve_shard
@@ -74,6 +75,11 @@ class LoaderConfig:
         """Batches hold the examples in reading order: the buffers draw first in,
         first out (see :func:`reads_in_order`)."""
         return reads_in_order(self.shuffle, self.echo_factor, self.source, self.worker_type)
+
+    @property
+    def chunk(self) -> int:
+        """Positions of a map-style order a worker claims at a time (dataecho.chunks)."""
+        return min(CHUNK, self.batch_size)
 
     @property
     def augment_threads(self) -> int:

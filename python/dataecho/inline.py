@@ -4,8 +4,9 @@ thread, as torch's ``DataLoader(num_workers=0)`` reads it.
 Nothing reads ahead: when the training loop asks for a batch and none is ready,
 the loop's thread reads and transforms examples into the echo buffer, in chunks
 (dataecho.chunks), until a put cannot go in (the buffer is full: the assembler
-then has what it needs for a batch) or the source ends. No thread touches the dataset but the caller's, so a dataset that is not
-thread-safe, or that must run in the main thread, works as under DataLoader.
+then has what it needs for a batch) or the source ends. No thread touches the
+dataset but the caller's, so a dataset that is not thread-safe, or that must
+run in the main thread, works as under DataLoader.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from typing import Iterator
 
 from .buffer import NativeBuffer
-from .chunks import CHUNK, Chunk, Columns, chunked
+from .chunks import Chunk, Columns, chunked, claimed
 from .source import EpochSource
 from .structure import Structure
 
@@ -69,14 +70,8 @@ class InlineReader:
         return [{"produced": self._produced, "busy_s": self._busy_s}]
 
     def _positions(self) -> Iterator[Chunk]:
-        buffer, reader = self._buffer, self._source.reader
-        columns = Columns(self._structure, buffer.fields)
-        chunk = min(CHUNK, self._source.config.batch_size)
-        while True:
-            first, count = buffer.claim_range(chunk)
-            if count == 0:
-                return
-            yield from reader.chunks(first, count, columns)
+        columns = Columns(self._structure, self._buffer.fields)
+        return claimed(self._buffer.claim_range, self._source.config.chunk, self._source.reader, columns)
 
     def _iterated(self, first_seq: int) -> Iterator[Chunk]:
         source, columns = self._source, Columns(self._structure, self._buffer.fields)

@@ -19,7 +19,6 @@ from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import _worker
-from .chunks import CHUNK
 from .buffer import NativeBuffer
 from .stage import Failure
 from .structure import Structure
@@ -139,7 +138,7 @@ class ProcessProducers:
                 map_style=source.order is not None,
                 order=source.order,
                 worker_init_fn=config.worker_init_fn,
-                chunk=min(CHUNK, config.batch_size),
+                chunk=config.chunk,
             )
             receiver, sender = context.Pipe(duplex=False)
             args: tuple = (spec, sender, lifeline)

@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from .buffer import NativeBuffer
-from .chunks import CHUNK, Columns, chunked
+from .chunks import Columns, chunked, claimed
 from .errors import BufferClosed
 from .stage import Failure
 from .structure import Structure
@@ -83,7 +83,6 @@ class Producers:
         hands out (set by the caller), a chunk at a time, on every worker; a
         position is also the example's sequence number."""
         self._columns = Columns(self._structure, self._buffer.fields)
-        self._chunk = min(CHUNK, self._source.config.batch_size)
         self._growth = _Growth(self._auto_limit)
         self._spawn([self._read_map] * self._workers)
 
@@ -140,24 +139,21 @@ class Producers:
     def _read_map(self) -> None:
         """One worker of ``start_map`` (a method, not a closure: a closure that
         spawns more of itself would hold itself, and the buffer, in a cycle)."""
-        buffer, reader, columns, growth = self._buffer, self._source.reader, self._columns, self._growth
+        buffer, growth = self._buffer, self._growth
         counter = self._counters.setdefault(threading.current_thread(), [0, 0.0])
         first_worker = threading.current_thread() is self._threads[0]
-        while not self._stop.is_set():
-            first, count = buffer.claim_range(self._chunk)
-            if count == 0:
+        started, cpu = time.perf_counter(), time.thread_time()
+        for seq, rows, read in claimed(buffer.claim_range, self._source.config.chunk, self._source.reader,
+                                       self._columns):
+            busy = time.perf_counter() - started
+            counter[1] += busy
+            if first_worker and (more := growth.observe(busy, time.thread_time() - cpu)):
+                self._spawn([self._read_map] * more, first_id=len(self._counters))
+            buffer.put_each(read, rows, seq)
+            counter[0] += rows
+            if self._stop.is_set():
                 return
             started, cpu = time.perf_counter(), time.thread_time()
-            for seq, rows, read in reader.chunks(first, count, columns):
-                busy = time.perf_counter() - started
-                counter[1] += busy
-                if first_worker and (more := growth.observe(busy, time.thread_time() - cpu)):
-                    self._spawn([self._read_map] * more, first_id=len(self._counters))
-                buffer.put_each(read, rows, seq)
-                counter[0] += rows
-                if self._stop.is_set():
-                    return
-                started, cpu = time.perf_counter(), time.thread_time()
 
     # ---- stopping ----
 

@@ -88,6 +88,8 @@ class Structure:
         self.specs = specs
         self.torch_dtypes = torch_dtypes or [None] * len(paths)
         self._has_raw = any(name is not None for name in self.torch_dtypes)
+        self._leaf_nodes = [_Node("leaf") if name is None else _Node("raw", torch_dtype=name)
+                            for name in self.torch_dtypes]
 
     @classmethod
     def infer(cls, example: Any) -> Structure:
@@ -176,8 +178,7 @@ class Structure:
     def leaf(self, value: Any, index: int) -> Any:
         """A value of leaf ``index`` from ``columns`` as ``flatten`` would give it."""
         out: list[Any] = []
-        node = _Node("leaf") if self.torch_dtypes[index] is None else _Node("raw", torch_dtype=self.torch_dtypes[index])
-        _flatten(node, value, self.paths[index], out)
+        _flatten(self._leaf_nodes[index], value, self.paths[index], out)
         return out[0]
 
     def unflatten(self, leaves: Sequence[Any], wrap: Callable[[Any], Any] | None = None,

@@ -56,21 +56,12 @@ class Producer {
     return put_rows(rows, n, done, deadline, Rows::kEach, first_seq);
   }
 
-  // Next position of the epoch's order for a map-style source, or -1 when all
-  // are taken. Each position goes to exactly one producer.
-  std::int64_t claim_index() noexcept {
-    RegionHeader& h = *region_.header;
-    // relaxed: the counter only hands out distinct numbers; no data rides on it.
-    const std::uint64_t i = h.next_index.fetch_add(1, std::memory_order_relaxed);
-    return i < h.index_end.load(std::memory_order_relaxed) ? static_cast<std::int64_t>(i) : -1;
-  }
-
   // Up to `count` consecutive positions of the order: (first, how many), the
   // count 0 when all are taken. Each position goes to exactly one producer.
   std::pair<std::uint64_t, std::uint64_t> claim_range(std::uint64_t count) noexcept {
     RegionHeader& h = *region_.header;
-    // relaxed, as claim_index: distinct numbers only. Every producer claims at
-    // most once past the end, so the counter cannot wrap.
+    // relaxed: the counter only hands out distinct numbers; no data rides on
+    // it. Every producer claims at most once past the end, so it cannot wrap.
     const std::uint64_t end = h.index_end.load(std::memory_order_relaxed);
     const std::uint64_t first = h.next_index.fetch_add(count, std::memory_order_relaxed);
     return {first, first < end ? std::min(count, end - first) : 0};
