@@ -31,6 +31,10 @@ NATIVE_TESTS = [
     "buffer_close",
     "buffer_stop",
     "buffer_destroy",
+    "page_heap",
+    "buffer_ragged",
+    "buffer_ragged_modes",
+    "buffer_ragged_blocking",
 ]
 
 

@@ -1,5 +1,8 @@
 // Field declarations and the arrays a put hands over: conversion and the
 // memory-safety checks shared by _core.Buffer and _core.Producer.
+//
+// A field declared with -1 as its first dimension is ragged: each example has
+// its own number of rows of the remaining shape (see layout.hpp).
 #pragma once
 
 #include <pybind11/numpy.h>
@@ -10,6 +13,9 @@
 #include <utility>
 #include <vector>
 
+#include "dataecho/layout.hpp"
+#include "dataecho/producer.hpp"
+
 namespace dataecho::py_binding {
 
 namespace py = pybind11;
@@ -18,31 +24,68 @@ using FieldDecl = std::pair<std::vector<py::ssize_t>, py::dtype>;
 
 struct FieldSpec {
   py::dtype dtype;
-  std::vector<py::ssize_t> shape;
-  std::size_t bytes;
+  std::vector<py::ssize_t> shape;  // a ragged field's row shape (without its first axis)
+  std::size_t bytes;               // per example, or per row of a ragged field
+  bool ragged;
 };
 
 // Field declarations -> specs, with sizes checked against overflow.
 inline std::vector<FieldSpec> field_specs(const std::vector<FieldDecl>& fields) {
   if (fields.empty()) throw py::value_error("fields: expected at least one field");
   std::vector<FieldSpec> specs;
-  for (const auto& [shape, dtype] : fields) {
+  for (const auto& [declared, dtype] : fields) {
+    const bool ragged = !declared.empty() && declared[0] == -1;
+    std::vector<py::ssize_t> shape(declared.begin() + (ragged ? 1 : 0), declared.end());
     std::size_t n = static_cast<std::size_t>(dtype.itemsize());
     for (py::ssize_t d : shape) {
-      if (d <= 0) throw py::value_error("fields: dimensions must be positive");
+      if (d <= 0) throw py::value_error("fields: dimensions must be positive (-1 first: ragged)");
       if (n > SIZE_MAX / static_cast<std::size_t>(d)) throw py::value_error("fields: size overflows");
       n *= static_cast<std::size_t>(d);
     }
     if (n == 0) throw py::value_error("fields: zero-size field");
-    specs.push_back({dtype, shape, n});
+    specs.push_back({dtype, shape, n, ragged});
   }
   return specs;
 }
 
-inline std::vector<std::size_t> field_bytes(const std::vector<FieldSpec>& specs) {
+inline ExampleLayout example_layout(const std::vector<FieldSpec>& specs, std::size_t batch_size) {
   std::vector<std::size_t> bytes;
-  for (const FieldSpec& spec : specs) bytes.push_back(spec.bytes);
-  return bytes;
+  std::vector<bool> ragged;
+  for (const FieldSpec& spec : specs) {
+    bytes.push_back(spec.bytes);
+    ragged.push_back(spec.ragged);
+  }
+  return ExampleLayout(std::move(bytes), batch_size, std::move(ragged));
+}
+
+inline std::size_t ragged_count(const std::vector<FieldSpec>& specs) {
+  std::size_t n = 0;
+  for (const FieldSpec& spec : specs) n += spec.ragged ? 1 : 0;
+  return n;
+}
+
+// What a put hands the core: a pointer per (row, field), row-major, and the
+// row count per (row, ragged field).
+struct Rows {
+  std::vector<const void*> pointers;
+  std::vector<std::uint64_t> lengths;
+};
+
+// Checks that every example of `rows` (n of them) fits the producer's page
+// heap, before anything is put: a put stores all of its rows or fails whole.
+inline void check_fit(const Producer& producer, const Rows& rows, std::size_t n, std::size_t ragged) {
+  for (std::size_t i = 0; i < n && ragged > 0; ++i) {
+    if (producer.fits(rows.lengths.data() + i * ragged)) continue;
+    const PageHeap& heap = producer.region().heap;
+    std::size_t bytes = 0;
+    for (std::size_t r = 0; r < ragged; ++r)
+      bytes += static_cast<std::size_t>(rows.lengths[i * ragged + r]) *
+               producer.layout().field_bytes(producer.layout().ragged_fields()[r]);
+    throw py::value_error("example " + std::to_string(i) + ": its ragged values take " + std::to_string(bytes) +
+                          " bytes, more than the whole memory budget for them (ragged_bytes: " +
+                          std::to_string(heap.pages() * heap.page_bytes()) + " bytes in pages of " +
+                          std::to_string(heap.page_bytes()) + "); raise ragged_bytes");
+  }
 }
 
 // The data of `item` after checking that it is a C-contiguous array of
@@ -59,28 +102,52 @@ inline const void* checked_data(py::handle item, std::size_t bytes, std::optiona
   return a.data();
 }
 
+// A ragged field's value for one example: a C-contiguous array of whole rows
+// of `row` bytes; returns its data and sets `rows`.
+inline const void* ragged_data(py::handle item, std::size_t row, std::uint64_t& rows, const char* kind,
+                               std::size_t field) {
+  const auto name = [&] { return std::string(kind) + " " + std::to_string(field); };
+  if (!py::isinstance<py::array>(item)) throw py::type_error(name() + " is not an array");
+  const auto a = py::reinterpret_borrow<py::array>(item);
+  const auto nbytes = static_cast<std::size_t>(a.nbytes());
+  if (!(a.flags() & py::array::c_style) || a.ndim() < 1 || nbytes % row != 0 ||
+      nbytes / row != static_cast<std::size_t>(a.shape(0)))
+    throw py::value_error(name() + " is not C-contiguous rows of the declared shape");
+  rows = nbytes / row;
+  return a.data();
+}
+
 // One pointer per field of `arrays` (a list), each checked by checked_data
-// (`rows` for stacked arrays). The temporaries it makes are gone when it
-// returns, so the caller's frame holds only borrowed references (see blocking.hpp).
-inline std::vector<const void*> field_pointers(const std::vector<FieldSpec>& specs, py::handle arrays,
-                                               std::optional<std::size_t> rows) {
+// (`rows` for stacked arrays; not with ragged fields), with each ragged
+// field's row count. The temporaries it makes are gone when it returns, so the
+// caller's frame holds only borrowed references (see blocking.hpp).
+inline Rows field_pointers(const std::vector<FieldSpec>& specs, py::handle arrays, std::optional<std::size_t> rows) {
   if (!PyList_Check(arrays.ptr())) throw py::type_error("arrays: expected a list of arrays, one per field");
   const auto items = py::reinterpret_borrow<py::list>(arrays);
   if (items.size() != specs.size())
     throw py::value_error("example: expected " + std::to_string(specs.size()) + " fields, got " +
                           std::to_string(items.size()));
-  std::vector<const void*> pointers;
-  pointers.reserve(items.size());
-  for (std::size_t f = 0; f < items.size(); ++f)
-    pointers.push_back(checked_data(items[f], specs[f].bytes, rows, "example: field", f));
-  return pointers;
+  if (rows && ragged_count(specs) != 0) throw py::value_error("arrays: stacked puts take no ragged field");
+  Rows out;
+  out.pointers.reserve(items.size());
+  for (std::size_t f = 0; f < items.size(); ++f) {
+    if (specs[f].ragged) {
+      out.lengths.push_back(0);
+      out.pointers.push_back(ragged_data(items[f], specs[f].bytes, out.lengths.back(), "example: field", f));
+    } else {
+      out.pointers.push_back(checked_data(items[f], specs[f].bytes, rows, "example: field", f));
+    }
+  }
+  return out;
 }
 
-// Whether `a` holds exactly one value of `spec` (its dtype and shape), C-contiguous.
+// Whether `a` holds exactly one value of `spec` (its dtype and shape, any
+// number of rows for a ragged field), C-contiguous.
 inline bool matches(const FieldSpec& spec, const py::array& a) {
-  if (!(a.flags() & py::array::c_style) || a.ndim() != static_cast<py::ssize_t>(spec.shape.size())) return false;
+  const std::size_t lead = spec.ragged ? 1 : 0;
+  if (!(a.flags() & py::array::c_style) || a.ndim() != static_cast<py::ssize_t>(spec.shape.size() + lead)) return false;
   for (std::size_t d = 0; d < spec.shape.size(); ++d)
-    if (a.shape(static_cast<py::ssize_t>(d)) != spec.shape[d]) return false;
+    if (a.shape(static_cast<py::ssize_t>(d + lead)) != spec.shape[d]) return false;
   return a.dtype().equal(spec.dtype);
 }
 
@@ -129,21 +196,67 @@ inline void gathered_rows(py::handle column, std::size_t bytes, std::size_t n, s
   }
 }
 
+// A ragged column given packed, as (values, offsets): row i is rows
+// [offsets[i], offsets[i + 1]) of `values`, a C-contiguous array of rows of
+// `row` bytes; offsets are n + 1 non-decreasing int64 within it.
+inline void packed_rows(py::handle column, std::size_t row, std::size_t n, std::size_t field, std::size_t fields,
+                        std::size_t r, std::size_t ragged, Rows& out) {
+  const auto name = "column " + std::to_string(field);
+  const auto pair = py::reinterpret_borrow<py::tuple>(column);
+  if (pair.size() != 2 || !py::isinstance<py::array>(pair[0]) || !py::isinstance<py::array_t<std::int64_t>>(pair[1]))
+    throw py::type_error(name + ": expected (values, int64 offsets)");
+  const auto values = py::reinterpret_borrow<py::array>(pair[0]);
+  const auto offsets = py::reinterpret_borrow<py::array_t<std::int64_t>>(pair[1]);
+  if (offsets.ndim() != 1 || static_cast<std::size_t>(offsets.shape(0)) != n + 1 ||
+      !(offsets.flags() & py::array::c_style))
+    throw py::value_error(name + ": expected " + std::to_string(n + 1) + " offsets");
+  const auto nbytes = static_cast<std::size_t>(values.nbytes());
+  if (!(values.flags() & py::array::c_style) || nbytes % row != 0)
+    throw py::value_error(name + ": values are not C-contiguous rows of the declared shape");
+  const std::int64_t* at = offsets.data();
+  const auto* base = static_cast<const std::byte*>(values.data());
+  for (std::size_t i = 0; i < n; ++i) {
+    if (at[i] < 0 || at[i + 1] < at[i] || static_cast<std::size_t>(at[i + 1]) > nbytes / row)
+      throw py::value_error(name + ": offsets are not non-decreasing within the values");
+    out.pointers[i * fields + field] = base + static_cast<std::size_t>(at[i]) * row;
+    out.lengths[i * ragged + r] = static_cast<std::uint64_t>(at[i + 1] - at[i]);
+  }
+}
+
 // One pointer per field per row for Producer::put_each, row-major, from
 // `columns` (a list, one entry per field), each entry either a C-contiguous
 // array of n stacked rows, a list of n C-contiguous arrays of the field's byte
-// count, or (array, indices) (see `gathered_rows`). Borrowed, as
-// field_pointers: the caller's objects keep every array alive.
-inline std::vector<const void*> row_pointers(const std::vector<FieldSpec>& specs, py::handle columns, std::size_t n) {
+// count, or (array, indices) (see `gathered_rows`); a ragged field's entry is
+// a list of n arrays of whole rows, or (values, offsets) (see `packed_rows`).
+// Borrowed, as field_pointers: the caller's objects keep every array alive.
+inline Rows row_pointers(const std::vector<FieldSpec>& specs, py::handle columns, std::size_t n) {
   if (!PyList_Check(columns.ptr())) throw py::type_error("columns: expected a list, one entry per field");
   const auto items = py::reinterpret_borrow<py::list>(columns);
   const std::size_t fields = specs.size();
   if (items.size() != fields)
     throw py::value_error("columns: expected " + std::to_string(fields) + " fields, got " +
                           std::to_string(items.size()));
-  std::vector<const void*> rows(n * fields);
-  for (std::size_t f = 0; f < fields; ++f) {
+  const std::size_t ragged = ragged_count(specs);
+  Rows out;
+  out.pointers.resize(n * fields);
+  out.lengths.resize(n * ragged);
+  std::vector<const void*>& rows = out.pointers;
+  for (std::size_t f = 0, r = 0; f < fields; ++f) {
     py::handle column = items[f];
+    if (specs[f].ragged) {
+      if (PyTuple_Check(column.ptr())) {
+        packed_rows(column, specs[f].bytes, n, f, fields, r, ragged, out);
+      } else {
+        if (!PyList_Check(column.ptr()) || PyList_GET_SIZE(column.ptr()) != static_cast<py::ssize_t>(n))
+          throw py::value_error("column " + std::to_string(f) + ": expected a list of " + std::to_string(n) +
+                                " arrays, or (values, offsets)");
+        for (std::size_t i = 0; i < n; ++i)
+          rows[i * fields + f] = ragged_data(PyList_GET_ITEM(column.ptr(), i), specs[f].bytes,
+                                             out.lengths[i * ragged + r], "column", f);
+      }
+      ++r;
+      continue;
+    }
     if (PyTuple_Check(column.ptr())) {
       gathered_rows(column, specs[f].bytes, n, f, fields, rows);
     } else if (PyList_Check(column.ptr())) {
@@ -158,7 +271,7 @@ inline std::vector<const void*> row_pointers(const std::vector<FieldSpec>& specs
       for (std::size_t i = 0; i < n; ++i) rows[i * fields + f] = base + i * specs[f].bytes;
     }
   }
-  return rows;
+  return out;
 }
 
 }  // namespace dataecho::py_binding

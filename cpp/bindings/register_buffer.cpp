@@ -8,6 +8,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -29,25 +30,37 @@ class PyBuffer {
            std::shared_ptr<BlockCache> cache)
       : specs_(field_specs(fields)) {
     if (restore) config.restore = std::make_shared<const Snapshot>(std::move(*restore));
-    core_ = std::make_unique<ShuffleBuffer>(ExampleLayout(field_bytes(specs_), config.batch_size), config,
-                                            std::move(cache));
+    ExampleLayout layout = example_layout(specs_, config.batch_size);
+    if (!layout.ragged_fields().empty() && config.pages == 0)
+      throw py::value_error("config: ragged fields need a page heap (pages, page_bytes)");
+    if (config.pages != 0 && (layout.ragged_fields().empty() || !std::has_single_bit(config.page_bytes) ||
+                              config.page_bytes < kMinPageBytes || config.page_bytes > kMaxPageBytes))
+      throw py::value_error("config: a page heap needs ragged fields and a power-of-two page_bytes");
+    if (config.key_field >= 0 &&
+        (static_cast<std::size_t>(config.key_field) >= specs_.size() || specs_[config.key_field].ragged ||
+         specs_[config.key_field].bytes != sizeof(std::uint64_t)))
+      throw py::value_error("config: key_field must name a fixed 8-byte field");
+    core_ = std::make_unique<ShuffleBuffer>(std::move(layout), config, std::move(cache));
   }
 
   // `arrays` is borrowed (see blocking.hpp): the caller's list keeps it alive.
   py::object put(py::handle arrays, std::optional<double> timeout_s, std::uint64_t seq) {
     ShuffleBuffer& core = live();
-    const auto pointers = field_pointers(specs_, arrays, std::nullopt);
-    return status_object(
-        call_blocking([&](Deadline d) { return core.producer().put(pointers.data(), d, seq); }, timeout_s));
+    const Rows rows = field_pointers(specs_, arrays, std::nullopt);
+    check_fit(core.producer(), rows, 1, ragged_count(specs_));
+    return status_object(call_blocking(
+        [&](Deadline d) { return core.producer().put(rows.pointers.data(), d, seq, rows.lengths.data()); },
+        timeout_s));
   }
 
   std::pair<py::object, std::size_t> put_many(py::handle arrays, std::size_t n, std::optional<double> timeout_s,
                                           std::uint64_t first_seq) {
     ShuffleBuffer& core = live();
-    const auto pointers = field_pointers(specs_, arrays, n);
+    const Rows rows = field_pointers(specs_, arrays, n);
     std::size_t done = 0;
     const Status status = call_blocking(
-        [&](Deadline d) { return core.producer().put_many(pointers.data(), n, done, d, first_seq); }, timeout_s);
+        [&](Deadline d) { return core.producer().put_many(rows.pointers.data(), n, done, d, first_seq); },
+        timeout_s);
     return {status_object(status), done};
   }
 
@@ -55,10 +68,14 @@ class PyBuffer {
   std::pair<py::object, std::size_t> put_each(py::handle columns, std::size_t n, std::optional<double> timeout_s,
                                               std::uint64_t first_seq, std::size_t done) {
     ShuffleBuffer& core = live();
-    const auto rows = row_pointers(specs_, columns, n);
+    const Rows rows = row_pointers(specs_, columns, n);
     if (done > n) throw py::value_error("done: more than rows");
+    check_fit(core.producer(), rows, n, ragged_count(specs_));
     const Status status = call_blocking(
-        [&](Deadline d) { return core.producer().put_each(rows.data(), n, done, d, first_seq); }, timeout_s);
+        [&](Deadline d) {
+          return core.producer().put_each(rows.pointers.data(), n, done, d, first_seq, rows.lengths.data());
+        },
+        timeout_s);
     return {status_object(status), done};
   }
 
@@ -70,26 +87,66 @@ class PyBuffer {
     const Status status = call_blocking([&](Deadline d) { return core.next(batch, d); }, timeout_s);
     if (status != Status::kOk) return {status_object(status), py::none()};
     last_seqs_ = std::move(batch.seqs);
+    last_released_ = std::move(batch.released);
     return {status_object(status), batch_arrays(batch.lease, batch.rows)};
   }
 
   // A copy of `arrays` (a list: one C-contiguous array per field, `rows` of
-  // them) in a block of this buffer's batch pool, as arrays like next()'s.
+  // them; a ragged field as (values, offsets) from 0) in a block of this
+  // buffer's batch pool, as arrays like next()'s.
   py::tuple copy_batch(py::handle arrays, std::size_t rows) {
     ShuffleBuffer& core = live();
-    if (rows == 0 || rows > core.layout().batch_size()) throw py::value_error("rows: out of range");
-    const auto pointers = field_pointers(specs_, arrays, rows);
-    std::shared_ptr<BatchPool::Lease> lease = core.lease_batch();
     const ExampleLayout& layout = core.layout();
+    if (rows == 0 || rows > layout.batch_size()) throw py::value_error("rows: out of range");
+    if (!PyList_Check(arrays.ptr()) || PyList_GET_SIZE(arrays.ptr()) != static_cast<py::ssize_t>(specs_.size()))
+      throw py::type_error("arrays: expected a list, one entry per field");
+    std::vector<const void*> from(specs_.size());
+    std::vector<std::size_t> bytes(specs_.size());
+    for (std::size_t f = 0; f < specs_.size(); ++f) {
+      py::handle item = PyList_GET_ITEM(arrays.ptr(), f);
+      if (!specs_[f].ragged) {
+        from[f] = checked_data(item, specs_[f].bytes, rows, "batch: field", f);
+        bytes[f] = rows * specs_[f].bytes;
+        continue;
+      }
+      Rows packed;
+      packed.pointers.resize(rows);
+      packed.lengths.resize(rows);
+      if (!PyTuple_Check(item.ptr()))
+        throw py::type_error("batch: field " + std::to_string(f) + ": expected (values, offsets)");
+      packed_rows(item, specs_[f].bytes, rows, 0, 1, 0, 1, packed);
+      const auto offsets = py::reinterpret_borrow<py::array_t<std::int64_t>>(PyTuple_GET_ITEM(item.ptr(), 1));
+      if (offsets.data()[0] != 0) throw py::value_error("batch: field " + std::to_string(f) + ": offsets start at 0");
+      from[f] = PyArray_DATA_of(PyTuple_GET_ITEM(item.ptr(), 0));
+      bytes[f] = static_cast<std::size_t>(offsets.data()[rows]) * specs_[f].bytes;
+    }
+    std::shared_ptr<BatchPool::Lease> lease = core.lease_batch();
+    for (std::size_t r = 0; r < layout.ragged_fields().size(); ++r)
+      lease->reserve_values(r, bytes[layout.ragged_fields()[r]]);
     without_gil([&] {
-      for (std::size_t f = 0; f < specs_.size(); ++f)
-        std::memcpy(lease->data() + layout.batch_offset(f), pointers[f], rows * specs_[f].bytes);
+      for (std::size_t f = 0, r = 0; f < specs_.size(); ++f) {
+        if (!specs_[f].ragged) {
+          std::memcpy(lease->data() + layout.batch_offset(f), from[f], bytes[f]);
+          continue;
+        }
+        const auto offsets = static_cast<const std::int64_t*>(
+            PyArray_DATA_of(PyTuple_GET_ITEM(PyList_GET_ITEM(arrays.ptr(), f), 1)));
+        std::memcpy(layout.offsets(lease->data(), f), offsets, (rows + 1) * sizeof(std::int64_t));
+        if (bytes[f] > 0) std::memcpy(lease->values(r), from[f], bytes[f]);
+        lease->set_values_used(r, bytes[f]);
+        ++r;
+      }
     });
     return batch_arrays(lease, rows);
   }
 
   // Deterministic buffers: the rows' sequence numbers of the batch next() returned last.
   py::array_t<std::uint64_t> last_seqs() const { return py::array_t<std::uint64_t>(last_seqs_.size(), last_seqs_.data()); }
+
+  // With a key field: the keys of the examples freed while the last batch was assembled.
+  py::array_t<std::uint64_t> last_released() const {
+    return py::array_t<std::uint64_t>(last_released_.size(), last_released_.data());
+  }
 
   // Deterministic buffers: waits for the assembler to reach a point where its
   // state can be taken (see checkpoint.hpp).
@@ -134,16 +191,34 @@ class PyBuffer {
  private:
   // One array per field over the batch block of `lease`, whose Python owner is
   // every array's base: the block returns to the pool when the last one dies.
+  // A ragged field gives (values, offsets): its packed rows, over the lease's
+  // value block, and rows + 1 int64 offsets into them.
   py::tuple batch_arrays(const std::shared_ptr<BatchPool::Lease>& lease, std::size_t rows) const {
     py::object owner = py::cast(lease);
     const ExampleLayout& layout = live().layout();
     py::tuple arrays(specs_.size());
-    for (std::size_t f = 0; f < specs_.size(); ++f) {
+    for (std::size_t f = 0, r = 0; f < specs_.size(); ++f) {
       std::vector<py::ssize_t> shape{static_cast<py::ssize_t>(rows)};
+      std::byte* data = lease->data() + layout.batch_offset(f);
+      if (specs_[f].ragged) {
+        const std::int64_t total = layout.offsets(lease->data(), f)[rows];
+        std::byte* values = lease->values(r++);
+        shape[0] = static_cast<py::ssize_t>(total);
+        shape.insert(shape.end(), specs_[f].shape.begin(), specs_[f].shape.end());
+        // No value block when every row is empty: the array has no bytes to view.
+        py::array packed(specs_[f].dtype, shape, values != nullptr ? values : data, owner);
+        py::array offsets(py::dtype::of<std::int64_t>(), {static_cast<py::ssize_t>(rows + 1)}, data, owner);
+        arrays[f] = py::make_tuple(packed, offsets);
+        continue;
+      }
       shape.insert(shape.end(), specs_[f].shape.begin(), specs_[f].shape.end());
-      arrays[f] = py::array(specs_[f].dtype, shape, lease->data() + layout.batch_offset(f), owner);
+      arrays[f] = py::array(specs_[f].dtype, shape, data, owner);
     }
     return arrays;
+  }
+
+  static const void* PyArray_DATA_of(py::handle array) {
+    return py::reinterpret_borrow<py::array>(array).data();
   }
 
   // Releases a block's owner. Blocks die with the pool, normally under the GIL
@@ -163,6 +238,7 @@ class PyBuffer {
 
   std::vector<FieldSpec> specs_;
   std::vector<std::uint64_t> last_seqs_;
+  std::vector<std::uint64_t> last_released_;
   std::unique_ptr<ShuffleBuffer> core_;  // destroyed (stopped and joined) first
 };
 
@@ -187,6 +263,7 @@ void register_buffer(py::module_& m) {
            py::arg("first_seq") = 0)
       .def("next", &PyBuffer::next, py::arg("timeout_s"))
       .def_property_readonly("last_seqs", &PyBuffer::last_seqs)
+      .def_property_readonly("last_released", &PyBuffer::last_released)
       .def("copy_batch", &PyBuffer::copy_batch, py::arg("arrays"), py::arg("rows"))
       .def("snapshot", &PyBuffer::snapshot, py::arg("timeout_s"))
       .def("close", [](PyBuffer& b) { b.core().close(); })
@@ -208,6 +285,11 @@ void register_buffer(py::module_& m) {
       .def_property_readonly("initial", [](const PyBuffer& b) { return b.core().config().initial; })
       .def_property_readonly("slot_stride", [](const PyBuffer& b) { return b.core().layout().slot_stride(); })
       .def_property_readonly("batch_bytes", [](const PyBuffer& b) { return b.core().layout().batch_bytes(); })
+      .def_property_readonly("region_bytes",
+                             [](const PyBuffer& b) {
+                               const auto& c = b.core().config();
+                               return RegionLayout(b.core().layout(), c.capacity, {c.pages, c.page_bytes}).total_bytes;
+                             })
       .def_property_readonly("batch_blocks_adopted",
                              [](const PyBuffer& b) { return b.core().batch_blocks_adopted(); });
 }

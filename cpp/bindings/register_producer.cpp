@@ -22,7 +22,7 @@ class PyProducer {
  public:
   PyProducer(const std::string& region, const std::vector<FieldDecl>& fields)
       : specs_(field_specs(fields)), memory_(SharedMemory::attach(region)) {
-    ExampleLayout layout(field_bytes(specs_), 1);
+    ExampleLayout layout = example_layout(specs_, 1);
     RegionView view;
     if (!RegionView::attach(memory_.data(), memory_.size(), layout, view))
       throw py::value_error("region: " + region + " is not a dataecho buffer with these fields");
@@ -31,27 +31,30 @@ class PyProducer {
 
   // `arrays` is borrowed (see blocking.hpp): the caller's list keeps it alive.
   py::object put(py::handle arrays, std::optional<double> timeout_s, std::uint64_t seq) {
-    const auto pointers = field_pointers(specs_, arrays, std::nullopt);
-    return status_object(
-        call_blocking([&](Deadline d) { return producer_->put(pointers.data(), d, seq); }, timeout_s));
+    const Rows rows = field_pointers(specs_, arrays, std::nullopt);
+    check_fit(*producer_, rows, 1, ragged_count(specs_));
+    return status_object(call_blocking(
+        [&](Deadline d) { return producer_->put(rows.pointers.data(), d, seq, rows.lengths.data()); }, timeout_s));
   }
 
   std::pair<py::object, std::size_t> put_many(py::handle arrays, std::size_t n, std::optional<double> timeout_s,
                                        std::uint64_t first_seq) {
-    const auto pointers = field_pointers(specs_, arrays, n);
+    const Rows rows = field_pointers(specs_, arrays, n);
     std::size_t done = 0;
     const Status status = call_blocking(
-        [&](Deadline d) { return producer_->put_many(pointers.data(), n, done, d, first_seq); }, timeout_s);
+        [&](Deadline d) { return producer_->put_many(rows.pointers.data(), n, done, d, first_seq); }, timeout_s);
     return {status_object(status), done};
   }
 
   // Rows [done, n) of `columns` (see row_pointers), row i tagged first_seq + i.
   std::pair<py::object, std::size_t> put_each(py::handle columns, std::size_t n, std::optional<double> timeout_s,
                                               std::uint64_t first_seq, std::size_t done) {
-    const auto rows = row_pointers(specs_, columns, n);
+    const Rows rows = row_pointers(specs_, columns, n);
     if (done > n) throw py::value_error("done: more than rows");
+    check_fit(*producer_, rows, n, ragged_count(specs_));
     const Status status = call_blocking(
-        [&](Deadline d) { return producer_->put_each(rows.data(), n, done, d, first_seq); }, timeout_s);
+        [&](Deadline d) { return producer_->put_each(rows.pointers.data(), n, done, d, first_seq, rows.lengths.data()); },
+        timeout_s);
     return {status_object(status), done};
   }
 

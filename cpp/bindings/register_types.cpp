@@ -48,7 +48,10 @@ void register_config(py::module_& m) {
       .def_readwrite("shared", &BufferConfig::shared)
       .def_readwrite("deterministic", &BufferConfig::deterministic)
       .def_readwrite("exact_echo", &BufferConfig::exact_echo)
-      .def_readwrite("in_order", &BufferConfig::in_order);
+      .def_readwrite("in_order", &BufferConfig::in_order)
+      .def_readwrite("pages", &BufferConfig::pages)
+      .def_readwrite("page_bytes", &BufferConfig::page_bytes)
+      .def_readwrite("key_field", &BufferConfig::key_field);
 }
 
 void register_stats(py::module_& m) {
@@ -61,6 +64,8 @@ void register_stats(py::module_& m) {
       .def_readonly("resident", &BufferStats::resident)
       .def_readonly("free_slots", &BufferStats::free_slots)
       .def_readonly("batch_blocks", &BufferStats::batch_blocks)
+      .def_readonly("pages", &BufferStats::pages)
+      .def_readonly("pages_in_use", &BufferStats::pages_in_use)
       .def_readonly("producer_wait_s", &BufferStats::producer_wait_s)
       .def_readonly("consumer_wait_s", &BufferStats::consumer_wait_s);
 }
@@ -119,6 +124,9 @@ void register_types(py::module_& m) {
   m.attr("MAX_CAPACITY") = kMaxCapacity;
   m.attr("MAX_ECHO") = kMaxEcho;
   m.attr("MAX_WORKERS") = kMaxWorkers;
+  m.attr("MAX_PAGES") = kMaxPages;
+  m.attr("MIN_PAGE_BYTES") = kMinPageBytes;
+  m.attr("MAX_PAGE_BYTES") = kMaxPageBytes;
   m.def("default_initial", &default_initial, py::arg("capacity"), py::arg("batch_size"),
         "Resident examples needed before the first batch when `initial` is not given.");
 }

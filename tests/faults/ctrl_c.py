@@ -169,7 +169,12 @@ def sigint_loader(rng: random.Random, variant: str, seed: int) -> None:
     in_next = False
     try:
         drain(epoch, delivered, step_s)
-        time.sleep(2 * SIGINT_S)  # the epoch was quicker than the signal
+        # The epoch was quicker than the signal: wait for it in short sleeps. A
+        # signal that lands after the handler's last check and before a sleep's
+        # system call begins is handled only when that sleep ends.
+        deadline = time.monotonic() + 2 * SIGINT_S
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
         raise AssertionError("no KeyboardInterrupt")
     except KeyboardInterrupt as exc:
         latency = interrupter.latency()

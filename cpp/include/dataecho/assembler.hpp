@@ -19,6 +19,8 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 #include "dataecho/batch_pool.hpp"
 #include "dataecho/buffer_config.hpp"
@@ -34,11 +36,13 @@
 
 namespace dataecho {
 
-// What one call of an assembly policy achieved.
+// What one call of an assembly policy (or of Assembler::fill) achieved.
 enum class Step {
-  kBatch,     // a batch was pushed
+  kBatch,     // a batch was pushed (fill: the target was reached)
   kEnd,       // the stream is over (or stopped)
   kSnapshot,  // interrupted before drawing, for a snapshot: call again for the same batch
+  kStarved,   // fill only: short of its target because a producer waits for pages of the
+              // heap, which only draws can free: draw from what is resident
 };
 
 class Assembler {
@@ -55,7 +59,8 @@ class Assembler {
         echoes_(config.auto_echo ? config.max_echo : config.echo_factor),
         reservoir_(config.capacity, config.in_order),
         rng_(config.seed),
-        full_(std::max({config.batch_size, config.capacity - config.batch_size, config.initial})) {}
+        full_(std::max({config.batch_size, config.capacity - config.batch_size, config.initial})),
+        values_hint_(layout.ragged_fields().size(), 0) {}
 
   const BufferConfig& config() const noexcept { return config_; }
   const RegionView& region() const noexcept { return region_; }
@@ -81,16 +86,27 @@ class Assembler {
 
   // Takes in committed examples until `target` are resident. kBatch: reached;
   // kEnd: the input finished first (the caller drains what is resident) or the
-  // buffer was stopped; kSnapshot: a snapshot is wanted first.
-  Step fill(std::size_t target) {
+  // buffer was stopped; kSnapshot: a snapshot is wanted first (only with
+  // serve_snapshots); kStarved: a producer waits for pages of the heap while
+  // examples are resident (draws free pages; waiting for input would not).
+  //
+  // With nothing resident a starved heap is held by producers about to commit
+  // (they took all their pages at once) or, deterministic, by examples waiting
+  // out of order: the lowest of those is admitted, so intake cannot deadlock,
+  // though the order then depends on timing (memory budget too small).
+  Step fill(std::size_t target, bool serve_snapshots = true) {
     while (reservoir_.size() < target) {
       if (stopped()) return Step::kEnd;
       if (config_.deterministic && admit_next(/*input_over=*/false)) continue;
-      if (desk_.wanted()) return Step::kSnapshot;
+      if (serve_snapshots && desk_.wanted()) return Step::kSnapshot;
       std::uint32_t slot;
-      const Committed got = next_committed(slot, /*serve_snapshots=*/true);
+      const Committed got = next_committed(slot, serve_snapshots, /*starve=*/true);
       if (got == Committed::kSnapshot) return Step::kSnapshot;
-      if (got == Committed::kEnd) {
+      if (got == Committed::kStarved) {
+        if (reservoir_.size() > 0) return Step::kStarved;
+        if (config_.deterministic && admit_next(/*input_over=*/true)) continue;
+        if (next_committed(slot, serve_snapshots, /*starve=*/false) != Committed::kSlot) continue;
+      } else if (got == Committed::kEnd) {
         if (config_.deterministic && admit_next(/*input_over=*/true)) continue;
         return Step::kEnd;
       }
@@ -102,24 +118,33 @@ class Assembler {
     return Step::kBatch;
   }
 
-  enum class Committed { kSlot, kEnd, kSnapshot };
+  enum class Committed { kSlot, kEnd, kSnapshot, kStarved };
 
   // Waits for the next committed slot; kEnd once stopped or the input finished;
-  // kSnapshot (only with serve_snapshots) when a snapshot is wanted first.
-  Committed next_committed(std::uint32_t& slot, bool serve_snapshots) {
+  // kSnapshot (only with serve_snapshots) when a snapshot is wanted first;
+  // kStarved (only with `starve`) when a producer waits for pages.
+  Committed next_committed(std::uint32_t& slot, bool serve_snapshots, bool starve = false) {
     bool got = false;
     bool wanted = false;
+    bool starved = false;
     block_until(region_.committed->not_empty(), Deadline::never(), [&] {
       if (region_.committed->try_pop(slot)) return got = true;  // (C1)
       if (stop_requested()) return true;
       // seq_cst: the re-check of the flag SnapshotDesk::request stores; the
       // consumer notifies not_empty after it.
       if (serve_snapshots && desk_.wanted()) return wanted = true;
+      // A producer that starts waiting for pages counts itself, then notifies
+      // not_empty (PageHeap::pop_blocking): this re-check pairs with that.
+      if (starve && region_.heap.starved()) return starved = true;
       return input_finished(slot, got) || got;
     });
     if (got) return Committed::kSlot;
+    if (starved) return Committed::kStarved;
     return wanted ? Committed::kSnapshot : Committed::kEnd;
   }
+
+  // Whether a producer waits for pages of the heap.
+  bool starved() const noexcept { return region_.heap.starved(); }
 
   // True when no example can arrive any more: closed, no put in flight, and
   // the committed ring drained. Order matters: closed (seq_cst) then in_flight
@@ -159,21 +184,31 @@ class Assembler {
 
   // ---- output ----
 
-  // An empty batch on a block of the pool.
+  // An empty batch on a block of the pool (with value blocks sized like the
+  // last batch's, for ragged fields).
   Batch new_batch(std::size_t rows) {
-    Batch batch{pool_.lease(), rows, {}};
+    Batch batch{pool_.lease(), rows, {}, {}};
     if (config_.deterministic) batch.seqs.reserve(rows);  // one allocation per batch, not per row
+    for (std::size_t r = 0; r < values_hint_.size(); ++r) {
+      layout_.offsets(batch.lease->data(), layout_.ragged_fields()[r])[0] = 0;
+      batch.lease->reserve_values(r, values_hint_[r] + values_hint_[r] / 8);
+    }
     return batch;
   }
 
   void gather_row(Reservoir::Draw draw, Batch& batch, std::size_t row) {
-    layout_.gather(region_.arena.slot(draw.slot), batch.lease->data(), row);
+    const std::byte* slot = region_.arena.slot(draw.slot);
+    layout_.gather(slot, batch.lease->data(), row);
+    if (!values_hint_.empty()) gather_ragged(slot, batch, row);
     if (config_.deterministic) batch.seqs.push_back(region_.slot_seq[draw.slot]);  // for snapshots
     if (draw.last) release_slot(draw.slot);
   }
 
   void push(Batch batch) {
     region_.free->not_empty().notify_all();  // one wake-up for the slots this batch freed
+    for (std::size_t r = 0; r < values_hint_.size(); ++r) values_hint_[r] = batch.lease->values_used(r);
+    batch.released = std::move(released_);
+    released_.clear();
     publish_resident();
     ready_.push(std::move(batch));
   }
@@ -185,8 +220,15 @@ class Assembler {
   // have stored the cell's release (C2) when the other slots have lapped it. That
   // producer is mid-operation, so wait for its pop to complete (it notifies
   // not_full) instead of treating it as an error.
-  void release_slot(std::uint32_t slot) noexcept {
-    poison(region_.arena.slot(slot), layout_.slot_stride());
+  void release_slot(std::uint32_t slot) {
+    std::byte* bytes = region_.arena.slot(slot);
+    if (config_.key_field >= 0) {  // the Python layer's key for the example's objects
+      std::uint64_t key;
+      std::memcpy(&key, bytes + layout_.slot_offset(static_cast<std::size_t>(config_.key_field)), sizeof key);
+      released_.push_back(key);
+    }
+    if (!values_hint_.empty()) release_pages(bytes);
+    poison(bytes, layout_.slot_stride());
     if (region_.free->try_push_quiet(slot)) return;
     block_until(region_.free->not_full(), Deadline::never(), [&] { return region_.free->try_push_quiet(slot); });
   }
@@ -200,6 +242,47 @@ class Assembler {
     publish_resident();
     ready_.finish();
     return Step::kEnd;
+  }
+
+  // The ragged values of the example in `slot`: appended to each field's value
+  // block of the batch, its row's end written to the field's offsets.
+  void gather_ragged(const std::byte* slot, Batch& batch, std::size_t row) {
+    const PageHeap& heap = region_.heap;
+    BatchPool::Lease& lease = *batch.lease;
+    const auto& ragged = layout_.ragged_fields();
+    for (std::size_t r = 0; r < ragged.size(); ++r) {
+      const RaggedRef& ref = layout_.ref(slot, ragged[r]);
+      std::int64_t* offsets = layout_.offsets(lease.data(), ragged[r]);
+      const std::size_t bytes = static_cast<std::size_t>(ref.rows) * layout_.field_bytes(ragged[r]);
+      const std::size_t used = lease.values_used(r);
+      std::byte* to = lease.reserve_values(r, used + bytes) + used;
+      std::uint32_t page = ref.first;
+      for (std::size_t copied = 0; copied < bytes;) {
+        const std::size_t piece = std::min(heap.page_bytes(), bytes - copied);
+        std::memcpy(to + copied, heap.page(page), piece);
+        copied += piece;
+        if (copied < bytes) page = heap.next(page);
+      }
+      lease.set_values_used(r, used + bytes);
+      offsets[row + 1] = offsets[row] + static_cast<std::int64_t>(ref.rows);
+    }
+  }
+
+  // Gives the pages of the example in `slot` back to the heap: one chain, from
+  // the first non-empty ragged field's first page to the last one's last.
+  void release_pages(std::byte* slot) noexcept {
+    const PageHeap& heap = region_.heap;
+    std::uint32_t first = kNoPage;
+    std::uint32_t last = kNoPage;
+    std::size_t pages = 0;
+    for (std::size_t f : layout_.ragged_fields()) {
+      const RaggedRef& ref = layout_.ref(slot, f);
+      if (ref.rows == 0) continue;
+      if (first == kNoPage) first = ref.first;
+      last = ref.last;
+      pages += heap.pages_for(static_cast<std::size_t>(ref.rows) * layout_.field_bytes(f));
+    }
+    if (pages > 0) region_.heap.push(first, last, pages);
   }
 
   void publish_resident() noexcept {
@@ -229,6 +312,8 @@ class Assembler {
   Rng rng_;
   OrderedIntake ordered_;
   const std::size_t full_;
+  std::vector<std::size_t> values_hint_;  // per ragged field: the last batch's value bytes
+  std::vector<std::uint64_t> released_;   // keys of the examples freed since the last batch
 
   alignas(kCacheLine) std::atomic<std::uint64_t> dropped_{0};
   std::atomic<std::uint64_t> evicted_{0};

@@ -19,12 +19,16 @@
 namespace dataecho {
 
 // Frees delivered examples, uniformly chosen, until producers have a batch's
-// worth of free slots or no delivered example is left.
+// worth of free slots or no delivered example is left; while a producer waits
+// for pages of the heap, up to a batch's worth more.
 inline void make_room(Assembler& a) {
   Reservoir& reservoir = a.reservoir();
   const RegionView& region = a.region();
   std::uint64_t evicted = 0;
-  while (reservoir.size() > reservoir.fresh() && region.free->size_approx() < a.config().batch_size) {
+  std::size_t for_pages = a.starved() ? a.config().batch_size : 0;
+  while (reservoir.size() > reservoir.fresh() &&
+         (region.free->size_approx() < a.config().batch_size || (for_pages > 0 && a.starved()))) {
+    if (for_pages > 0) --for_pages;
     const auto [slot, echoes] = reservoir.evict_seen(a.rng());
     evicted += echoes;
     a.release_slot(slot);
@@ -40,7 +44,7 @@ inline Step assemble_auto(Assembler& a, std::uint64_t k) {
   const RegionView& region = a.region();
   Reservoir& reservoir = a.reservoir();
   bool more_input = true;
-  if (k == 0) more_input = a.fill(std::max(config.initial, config.batch_size)) == Step::kBatch;
+  if (k == 0) more_input = a.fill(std::max(config.initial, config.batch_size)) != Step::kEnd;  // or kStarved
   if (a.stopped()) return Step::kEnd;
   reservoir.begin_batch();
   make_room(a);
@@ -61,14 +65,17 @@ inline Step assemble_auto(Assembler& a, std::uint64_t k) {
     if (more_input && a.input_finished(slot, got)) more_input = false;
     if (got) continue;
     if (!more_input) break;
-    if (reservoir.size() > 0 && a.ready().size() == 0) {
-      a.gather_row(reservoir.draw_seen(a.rng()), batch, row++);  // the consumer is waiting: echo
+    // The consumer is waiting, or a producer waits for pages that only draws
+    // free: echo.
+    if (reservoir.size() > 0 && (a.ready().size() == 0 || a.starved())) {
+      a.gather_row(reservoir.draw_seen(a.rng()), batch, row++);
       continue;
     }
     block_until(region.committed->not_empty(), Deadline::never(), [&] {
       if (region.committed->try_pop(slot)) return got = true;
       if (a.stop_requested()) return true;
       if (reservoir.size() > 0 && a.ready().size() == 0) return true;  // the consumer drained it
+      if (reservoir.size() > 0 && a.starved()) return true;  // re-check; pairs with PageHeap::pop_blocking
       return a.input_finished(slot, got) || got;
     });
     if (a.stopped()) return Step::kEnd;

@@ -7,11 +7,21 @@
 // overwriting. Of the blocks given back it keeps at most `keep_free` for reuse
 // and frees the rest, so memory use is bounded by keep_free + the batches alive
 // now, not by the most ever alive at once.
+//
+// Ragged fields' values (batch_size rows of varying length) take a second kind
+// of block, whose size varies from batch to batch: value blocks come in size
+// classes (powers of two from 4 KiB), kept per class the same way, and a
+// lease grows its value block to the next class when a batch outgrows it.
 #pragma once
 
+#include <algorithm>
+#include <array>
+#include <bit>
 #include <cstddef>
+#include <cstring>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include <unistd.h>
@@ -78,6 +88,40 @@ class BatchPool : public std::enable_shared_from_this<BatchPool> {
     return std::shared_ptr<Lease>(new Lease(shared_from_this(), std::move(block), adopted));
   }
 
+  // A value block of at least `bytes` (a whole size class); throws
+  // std::bad_alloc when memory runs out.
+  Block take_values(std::size_t bytes) {
+    const std::size_t c = size_class(bytes);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!free_values_[c].empty()) {
+        Block block = std::move(free_values_[c].back());
+        free_values_[c].pop_back();
+        return block;
+      }
+    }
+    Block block = Block::allocate(kMinValueBlock << c, kCacheLine);
+    poison(block.data(), block.size());
+    return block;
+  }
+
+  // Takes back a value block (kept for reuse up to keep_free per class).
+  void give_values(Block block) noexcept {
+    if (block.data() == nullptr) return;
+    if (getpid() != owner_pid_) {  // see give_back
+      (void)block.release_unowned();
+      return;
+    }
+    poison(block.data(), block.size());
+    Block surplus;  // freed after the lock is released
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& kept = free_values_[size_class(block.size())];
+    if (kept.size() < keep_free_ && kept.size() < kept.capacity())
+      kept.push_back(std::move(block));
+    else
+      surplus = std::move(block);
+  }
+
   // Blocks allocated and not yet freed, leased or free (adopted ones not
   // counted); a steady value means consumers release what they take.
   std::size_t allocated() const {
@@ -90,26 +134,66 @@ class BatchPool : public std::enable_shared_from_this<BatchPool> {
     return adopted_;
   }
 
-  // One block, owned by whoever holds the lease; returned to the pool on destruction.
+  // One block, owned by whoever holds the lease, and the value blocks of its
+  // ragged fields; returned to the pool on destruction.
   class Lease {
    public:
     Lease(const Lease&) = delete;
     Lease& operator=(const Lease&) = delete;
-    ~Lease() { pool_->give_back(std::move(block_), adopted_); }
+    ~Lease() {
+      for (Values& v : values_) pool_->give_values(std::move(v.block));
+      pool_->give_back(std::move(block_), adopted_);
+    }
     std::byte* data() const noexcept { return block_.data(); }
+
+    // Ragged field r's value block (nullptr until reserved) and bytes used in it.
+    std::byte* values(std::size_t r) const noexcept { return r < values_.size() ? values_[r].block.data() : nullptr; }
+    std::size_t values_used(std::size_t r) const noexcept { return r < values_.size() ? values_[r].used : 0; }
+    void set_values_used(std::size_t r, std::size_t used) noexcept { values_[r].used = used; }
+
+    // Makes ragged field r's value block hold at least `bytes`, keeping the
+    // bytes used so far; returns it. Only the batch's assembler (or copier)
+    // calls this, before the batch is handed out.
+    std::byte* reserve_values(std::size_t r, std::size_t bytes) {
+      if (values_.size() <= r) values_.resize(r + 1);
+      Values& v = values_[r];
+      if (v.block.data() != nullptr && v.block.size() >= bytes) return v.block.data();
+      if (bytes == 0 && v.block.data() == nullptr) return nullptr;
+      Block grown = pool_->take_values(std::max(bytes, v.block.size() * 2));
+      if (v.used > 0) std::memcpy(grown.data(), v.block.data(), v.used);
+      pool_->give_values(std::exchange(v.block, std::move(grown)));
+      return v.block.data();
+    }
 
    private:
     friend class BatchPool;
+    struct Values {
+      Block block;
+      std::size_t used = 0;
+    };
     Lease(std::shared_ptr<BatchPool> pool, Block block, bool adopted)
         : pool_(std::move(pool)), block_(std::move(block)), adopted_(adopted) {}
     std::shared_ptr<BatchPool> pool_;  // keeps the pool alive while a batch is
     Block block_;
     bool adopted_;
+    std::vector<Values> values_;
   };
 
  private:
+  static constexpr std::size_t kMinValueBlock = 4096;
+  static constexpr std::size_t kValueClasses = 41;  // 4 KiB .. 4 PiB
+
   BatchPool(std::size_t block_bytes, std::size_t align, std::size_t keep_free, std::shared_ptr<BlockCache> cache)
-      : block_bytes_(block_bytes), align_(align), keep_free_(keep_free), cache_(std::move(cache)) {}
+      : block_bytes_(block_bytes), align_(align), keep_free_(keep_free), cache_(std::move(cache)) {
+    for (auto& kept : free_values_) kept.reserve(keep_free_);  // so that give_values never reallocates
+  }
+
+  static std::size_t size_class(std::size_t bytes) noexcept {
+    if (bytes <= kMinValueBlock) return 0;
+    const auto c = static_cast<std::size_t>(std::bit_width((bytes - 1) / kMinValueBlock));
+    DATAECHO_CHECK(c < kValueClasses);
+    return c;
+  }
 
   void give_back(Block block, bool adopted) noexcept {
     // In a forked child the mutex may have been copied locked by a thread that no
@@ -142,6 +226,7 @@ class BatchPool : public std::enable_shared_from_this<BatchPool> {
   mutable std::mutex mutex_;
   std::vector<Block> free_;
   std::vector<Block> adopted_free_;
+  std::array<std::vector<Block>, kValueClasses> free_values_;
   std::size_t allocated_ = 0;
   std::size_t adopted_ = 0;
 };
@@ -150,7 +235,8 @@ class BatchPool : public std::enable_shared_from_this<BatchPool> {
 struct Batch {
   std::shared_ptr<BatchPool::Lease> lease;
   std::size_t rows = 0;
-  std::vector<std::uint64_t> seqs;  // each row's sequence number (for checkpoints)
+  std::vector<std::uint64_t> seqs;      // each row's sequence number (for checkpoints)
+  std::vector<std::uint64_t> released;  // keys of examples freed while it was assembled (see BufferConfig::key_field)
 };
 
 }  // namespace dataecho

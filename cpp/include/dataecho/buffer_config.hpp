@@ -9,6 +9,7 @@
 #include <memory>
 
 #include "dataecho/config.hpp"
+#include "dataecho/page_heap.hpp"
 #include "dataecho/ring.hpp"
 #include "dataecho/snapshot.hpp"
 
@@ -43,6 +44,14 @@ struct BufferConfig {
   // Draws in intake order instead of at random (a FIFO): with deterministic
   // intake and an echo factor of 1, batches hold the examples in sequence order.
   bool in_order = false;
+  // The page heap for ragged fields' values: `pages` pages of `page_bytes` (a
+  // power of two from 64 B to 1 MiB); none (0) without ragged fields.
+  std::size_t pages = 0;
+  std::size_t page_bytes = 0;
+  // A fixed 8-byte field holding a key per example (the Python layer's handle
+  // on the example's Python objects), or -1: keys of examples whose slots are
+  // freed are reported with the next batch (Batch::released).
+  std::int64_t key_field = -1;
   // Resume (deterministic only): the assembler starts from this state, once the
   // resident examples it names have been put again with their numbers.
   std::shared_ptr<const Snapshot> restore;
@@ -57,6 +66,8 @@ struct BufferStats {
   std::uint64_t resident = 0;   // examples in the reservoir with echoes left
   std::uint64_t free_slots = 0;    // slots free now: capacity once everything put was delivered
   std::uint64_t batch_blocks = 0;  // batch blocks the pool allocated (adopted ones not counted)
+  std::uint64_t pages = 0;         // pages of the heap for ragged values (0: none)
+  std::uint64_t pages_in_use = 0;  // ... held by resident examples (and puts under way)
   double producer_wait_s = 0;   // summed over producers: blocked waiting for a free slot
   double consumer_wait_s = 0;   // consumer blocked waiting for a batch
 };
@@ -80,6 +91,7 @@ inline BufferConfig validated(BufferConfig config) {
   // the resident ones (at most capacity - batch_size): both must fit.
   DATAECHO_CHECK(!config.deterministic || config.capacity >= 2 * config.batch_size);
   DATAECHO_CHECK(!config.in_order || (config.deterministic && config.echo_factor == 1.0 && !config.auto_echo));
+  DATAECHO_CHECK(config.pages <= kMaxPages);
   if (config.restore) {
     const Snapshot& s = *config.restore;
     DATAECHO_CHECK(config.deterministic && s.seqs.size() == s.echoes.size() && s.seqs.size() <= config.capacity &&

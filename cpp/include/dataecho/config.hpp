@@ -24,6 +24,9 @@ inline constexpr std::size_t kSlotAlign = 64;
 inline constexpr std::size_t kPageAlign = 4096;
 inline constexpr std::size_t kPageAlignFrom = 4096;  // examples this large get page alignment
 
+// The most bytes of one example (checked where sizes are multiplied).
+inline constexpr std::size_t kMaxExampleBytes = std::size_t{1} << 40;
+
 constexpr std::size_t round_up(std::size_t n, std::size_t align) {
   return (n + align - 1) / align * align;
 }
@@ -31,6 +34,9 @@ constexpr std::size_t round_up(std::size_t n, std::size_t align) {
 constexpr std::size_t alignment_for(std::size_t bytes) {
   return bytes >= kPageAlignFrom ? kPageAlign : kSlotAlign;
 }
+
+// The outcome of a blocking call.
+enum class Status : int { kOk = 0, kClosed = 1, kTimeout = 2 };
 
 // Invariant checks that stay on in release builds: they guard memory safety, and
 // a core dump with a message beats silent corruption in a week-long run.

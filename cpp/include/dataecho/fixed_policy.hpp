@@ -10,6 +10,11 @@
 // producer the output order depends only on the seed and the input, not on
 // thread timing. After close() and once every in-flight put has landed, the
 // rest drains.
+//
+// Memory budget: when producers wait for pages of the heap (ragged values),
+// fill stops short and the batch is drawn from what is resident; should that
+// run out mid-batch, the rows drawn so far have freed pages, and more is taken
+// in before the next draw. Under that pressure the order depends on timing.
 #pragma once
 
 #include <algorithm>
@@ -35,10 +40,18 @@ inline Step assemble_fixed(Assembler& a, std::uint64_t k) {
   }
   Batch batch = a.new_batch(rows);
   reservoir.begin_batch();
-  if (config.in_order) {
-    for (std::size_t row = 0; row < rows; ++row) a.gather_row(reservoir.draw_first(), batch, row);
-  } else {
-    for (std::size_t row = 0; row < rows; ++row) a.gather_row(reservoir.draw(a.rng()), batch, row);
+  for (std::size_t row = 0; row < rows; ++row) {
+    if (reservoir.size() == 0 && a.fill(1, /*serve_snapshots=*/false) != Step::kBatch) {
+      if (a.stopped()) return Step::kEnd;
+      // The input ended mid-batch (starved only): this batch is the last, short.
+      if (row == 0 || config.drop_last) {
+        a.count_dropped(row);
+        return a.finish();
+      }
+      batch.rows = row;
+      break;
+    }
+    a.gather_row(config.in_order ? reservoir.draw_first() : reservoir.draw(a.rng()), batch, row);
   }
   a.push(std::move(batch));
   return Step::kBatch;

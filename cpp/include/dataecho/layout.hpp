@@ -7,44 +7,80 @@
 // Batch: one contiguous region per field, [batch_size][field bytes], each region
 // aligned like a slot. A field's batch is therefore a C-contiguous array that
 // Python can view without a copy.
+//
+// Ragged fields (a first axis whose length varies: token ids, boxes) keep only
+// a RaggedRef in the slot: the row count and the chain of pages of the page
+// heap (page_heap.hpp) that holds the values. In a batch they are packed
+// values, in a block of their own (the batch's lease owns it; its size varies
+// from batch to batch), plus an offsets region here of batch_size + 1 int64:
+// row i's values are [offsets[i], offsets[i + 1]) (cu_seqlens).
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
+#include <new>
 #include <vector>
 
 #include "dataecho/config.hpp"
 
 namespace dataecho {
 
+// Where an example's values of one ragged field are: `rows` rows, in the page
+// chain first -> ... -> last (kNoPage both when rows is 0).
+struct RaggedRef {
+  std::uint64_t rows;
+  std::uint32_t first;
+  std::uint32_t last;
+};
+
 class ExampleLayout {
  public:
   static constexpr std::size_t kFieldAlign = 16;
 
-  ExampleLayout(std::vector<std::size_t> field_bytes, std::size_t batch_size)
-      : field_bytes_(std::move(field_bytes)), batch_size_(batch_size) {
+  // `field_bytes`: bytes of each field per example, or per row for a ragged
+  // field; `ragged`: which fields are ragged (empty: none).
+  ExampleLayout(std::vector<std::size_t> field_bytes, std::size_t batch_size, std::vector<bool> ragged = {})
+      : field_bytes_(std::move(field_bytes)), ragged_(std::move(ragged)), batch_size_(batch_size) {
     DATAECHO_CHECK(!field_bytes_.empty() && batch_size_ >= 1);
+    if (ragged_.empty()) ragged_.assign(field_bytes_.size(), false);
+    DATAECHO_CHECK(ragged_.size() == field_bytes_.size());
     std::size_t offset = 0;
-    for (std::size_t bytes : field_bytes_) {
-      DATAECHO_CHECK(bytes >= 1);
+    for (std::size_t f = 0; f < field_bytes_.size(); ++f) {
+      DATAECHO_CHECK(field_bytes_[f] >= 1);
       offset = round_up(offset, kFieldAlign);
       slot_offsets_.push_back(offset);
-      offset += bytes;
+      offset += ragged_[f] ? sizeof(RaggedRef) : field_bytes_[f];
+      if (ragged_[f]) ragged_fields_.push_back(f);
     }
     example_bytes_ = offset;
     slot_stride_ = round_up(example_bytes_, alignment_for(example_bytes_));
 
     std::size_t batch_offset = 0;
-    for (std::size_t bytes : field_bytes_) {
-      batch_offset = round_up(batch_offset, alignment_for(bytes));
+    for (std::size_t f = 0; f < field_bytes_.size(); ++f) {
+      const std::size_t row = ragged_[f] ? sizeof(std::int64_t) : field_bytes_[f];
+      batch_offset = round_up(batch_offset, alignment_for(row));
       batch_offsets_.push_back(batch_offset);
-      batch_offset += bytes * batch_size_;
+      batch_offset += row * (batch_size_ + (ragged_[f] ? 1 : 0));
     }
     batch_bytes_ = batch_offset;
   }
 
   std::size_t fields() const noexcept { return field_bytes_.size(); }
+  // Bytes per example, or per row of a ragged field.
   std::size_t field_bytes(std::size_t f) const noexcept { return field_bytes_[f]; }
+  bool ragged(std::size_t f) const noexcept { return ragged_[f]; }
+  // The ragged fields' indices, in order.
+  const std::vector<std::size_t>& ragged_fields() const noexcept { return ragged_fields_; }
+  RaggedRef& ref(std::byte* slot, std::size_t f) const noexcept {
+    return *std::launder(reinterpret_cast<RaggedRef*>(slot + slot_offsets_[f]));
+  }
+  const RaggedRef& ref(const std::byte* slot, std::size_t f) const noexcept {
+    return *std::launder(reinterpret_cast<const RaggedRef*>(slot + slot_offsets_[f]));
+  }
+  std::int64_t* offsets(std::byte* batch, std::size_t f) const noexcept {
+    return std::launder(reinterpret_cast<std::int64_t*>(batch + batch_offsets_[f]));
+  }
   std::size_t slot_offset(std::size_t f) const noexcept { return slot_offsets_[f]; }
   std::size_t batch_offset(std::size_t f) const noexcept { return batch_offsets_[f]; }
   std::size_t example_bytes() const noexcept { return example_bytes_; }
@@ -54,28 +90,33 @@ class ExampleLayout {
   std::size_t batch_bytes() const noexcept { return batch_bytes_; }
   std::size_t batch_align() const noexcept { return kPageAlign; }
 
-  // Writes one example, given one pointer per field, into a slot.
+  // Writes the fixed fields of one example, given one pointer per field, into
+  // a slot (ragged fields: see Producer).
   void scatter(const void* const* fields, std::byte* slot) const noexcept {
     for (std::size_t f = 0; f < field_bytes_.size(); ++f)
-      std::memcpy(slot + slot_offsets_[f], fields[f], field_bytes_[f]);
+      if (!ragged_[f]) std::memcpy(slot + slot_offsets_[f], fields[f], field_bytes_[f]);
   }
 
-  // Same, for example `i` of stacked per-field arrays.
+  // Same, for example `i` of stacked per-field arrays (no ragged fields).
   void scatter_row(const void* const* fields, std::size_t i, std::byte* slot) const noexcept {
     for (std::size_t f = 0; f < field_bytes_.size(); ++f)
       std::memcpy(slot + slot_offsets_[f],
                   static_cast<const std::byte*>(fields[f]) + i * field_bytes_[f], field_bytes_[f]);
   }
 
-  // Copies the example in `slot` to row `row` of the batch at `batch`.
+  // Copies the fixed fields of the example in `slot` to row `row` of the batch
+  // at `batch` (ragged fields: see Assembler::gather_row).
   void gather(const std::byte* slot, std::byte* batch, std::size_t row) const noexcept {
     for (std::size_t f = 0; f < field_bytes_.size(); ++f)
-      std::memcpy(batch + batch_offsets_[f] + row * field_bytes_[f], slot + slot_offsets_[f],
-                  field_bytes_[f]);
+      if (!ragged_[f])
+        std::memcpy(batch + batch_offsets_[f] + row * field_bytes_[f], slot + slot_offsets_[f],
+                    field_bytes_[f]);
   }
 
  private:
   std::vector<std::size_t> field_bytes_;
+  std::vector<bool> ragged_;
+  std::vector<std::size_t> ragged_fields_;
   std::vector<std::size_t> slot_offsets_;
   std::vector<std::size_t> batch_offsets_;
   std::size_t batch_size_;

@@ -2,6 +2,11 @@
 // commit it. Works on a RegionView, so the same code runs in the process that
 // owns the buffer and in worker processes that mapped its region.
 //
+// An example with ragged fields also takes every page its values need from the
+// page heap (page_heap.hpp) in one step, after its slot, before copying: a
+// producer never holds part of what it needs while waiting for the rest, so
+// two producers cannot each hold half of the last pages.
+//
 // Synchronization (with the assembler, shuffle_buffer.hpp):
 //   - slot bytes: the copy into the slot happens-before the committed push (P2),
 //     which pairs with the assembler's pop (C1); the assembler's gather
@@ -18,6 +23,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <utility>
 
 #include "dataecho/layout.hpp"
@@ -26,34 +32,61 @@
 
 namespace dataecho {
 
-enum class Status : int { kOk = 0, kClosed = 1, kTimeout = 2 };
-
 class Producer {
  public:
   Producer(ExampleLayout layout, RegionView region) : layout_(std::move(layout)), region_(region) {}
 
   // Copies one example (one pointer per field) into a slot and commits it,
   // tagged with sequence number `seq` (its position in the input, for
-  // deterministic intake; ignored otherwise).
-  Status put(const void* const* fields, Deadline deadline, std::uint64_t seq = 0) {
+  // deterministic intake; ignored otherwise). `rows`: the row count of each
+  // ragged field, in order (none without ragged fields); every example's
+  // values must fit in the page heap (see fits()).
+  Status put(const void* const* fields, Deadline deadline, std::uint64_t seq = 0,
+             const std::uint64_t* rows = nullptr) {
     std::size_t done = 0;
-    return put_rows(fields, 1, done, deadline, Rows::kOne, seq);
+    return put_rows(fields, rows, 1, done, deadline, Rows::kOne, seq);
   }
 
   // Copies rows [done, n) of stacked per-field arrays, row i tagged first_seq + i;
   // `done` advances as rows land, so a call interrupted by a timeout can be
   // resumed where it stopped.
+  // No ragged fields.
   Status put_many(const void* const* fields, std::size_t n, std::size_t& done, Deadline deadline,
                   std::uint64_t first_seq = 0) {
-    return put_rows(fields, n, done, deadline, Rows::kStacked, first_seq);
+    DATAECHO_CHECK(layout_.ragged_fields().empty());
+    return put_rows(fields, nullptr, n, done, deadline, Rows::kStacked, first_seq);
   }
 
   // Same, for rows given one pointer per field each, row-major: row i's fields
   // are rows[i * F], ..., rows[i * F + F - 1] for F fields. For examples that
   // are not stacked: gathered by index from a source, or one array each.
+  // `lengths`: row i's ragged fields have lengths[i * R], ..., lengths[i * R + R - 1]
+  // rows, for R ragged fields (none without them).
   Status put_each(const void* const* rows, std::size_t n, std::size_t& done, Deadline deadline,
-                  std::uint64_t first_seq = 0) {
-    return put_rows(rows, n, done, deadline, Rows::kEach, first_seq);
+                  std::uint64_t first_seq = 0, const std::uint64_t* lengths = nullptr) {
+    return put_rows(rows, lengths, n, done, deadline, Rows::kEach, first_seq);
+  }
+
+  // Pages of the heap that an example with these ragged row counts takes.
+  std::size_t pages_for(const std::uint64_t* lengths) const noexcept {
+    std::size_t pages = 0;
+    const auto& ragged = layout_.ragged_fields();
+    for (std::size_t r = 0; r < ragged.size(); ++r)
+      pages += region_.heap.pages_for(static_cast<std::size_t>(lengths[r]) * layout_.field_bytes(ragged[r]));
+    return pages;
+  }
+
+  // Whether an example with these ragged row counts can ever be stored: its
+  // values need no more pages than the heap has. Callers check before a put.
+  bool fits(const std::uint64_t* lengths) const noexcept {
+    const auto& ragged = layout_.ragged_fields();
+    std::size_t bytes = 0;
+    for (std::size_t r = 0; r < ragged.size(); ++r) {
+      const std::size_t row = layout_.field_bytes(ragged[r]);
+      if (lengths[r] > (kMaxExampleBytes - bytes) / row) return false;
+      bytes += static_cast<std::size_t>(lengths[r]) * row;
+    }
+    return ragged.empty() || pages_for(lengths) <= region_.heap.pages();
   }
 
   // Up to `count` consecutive positions of the order: (first, how many), the
@@ -87,9 +120,11 @@ class Producer {
 
   enum class Rows { kOne, kStacked, kEach };
 
-  Status put_rows(const void* const* fields, std::size_t n, std::size_t& done, Deadline deadline, Rows rows,
-                  std::uint64_t first_seq) {
+  Status put_rows(const void* const* fields, const std::uint64_t* lengths, std::size_t n, std::size_t& done,
+                  Deadline deadline, Rows rows, std::uint64_t first_seq) {
     RegionHeader& h = *region_.header;
+    const std::size_t ragged = layout_.ragged_fields().size();
+    DATAECHO_CHECK(ragged == 0 || lengths != nullptr);
     h.in_flight.fetch_add(1, std::memory_order_seq_cst);  // (I1)
     Status status = Status::kOk;
     const std::size_t start = done;
@@ -102,13 +137,19 @@ class Producer {
       std::uint32_t slot;
       status = acquire_slot(slot, deadline);
       if (status != Status::kOk) break;
+      const void* const* example = rows == Rows::kEach ? fields + done * layout_.fields() : fields;
       std::byte* dst = region_.arena.slot(slot);
+      if (ragged != 0) {
+        status = write_ragged(example, lengths + (rows == Rows::kEach ? done * ragged : 0), dst, deadline);
+        if (status != Status::kOk) {
+          give_back(slot);
+          break;
+        }
+      }
       if (rows == Rows::kStacked)
         layout_.scatter_row(fields, done, dst);
-      else if (rows == Rows::kEach)
-        layout_.scatter(fields + done * layout_.fields(), dst);
       else
-        layout_.scatter(fields, dst);
+        layout_.scatter(example, dst);
       region_.slot_seq[slot] = seq;  // published with the slot by the push below
       // Never full: it has a cell per slot, and its one popper (the assembler)
       // cannot be lapped while stalled, since that would need capacity + 1 slots.
@@ -138,6 +179,59 @@ class Producer {
     });
     if (closed) return Status::kClosed;
     return ok ? Status::kOk : Status::kTimeout;
+  }
+
+  // Takes the pages of an example's ragged values (waiting for them), copies the
+  // values in and writes each field's RaggedRef into the slot.
+  Status write_ragged(const void* const* fields, const std::uint64_t* lengths, std::byte* slot, Deadline deadline) {
+    PageHeap& heap = region_.heap;
+    const std::size_t total = pages_for(lengths);
+    std::uint32_t page = kNoPage;
+    std::uint32_t last = kNoPage;
+    if (total > 0) {
+      RegionHeader& h = *region_.header;
+      const auto start = Clock::now();
+      const Status got = heap.pop_blocking(
+          total, page, last, deadline, [&] { return h.closed.load(std::memory_order_seq_cst) != 0; },  // seq_cst: pairs with close()
+          [&] { region_.committed->not_empty().notify_all(); });  // the assembler re-checks starved()
+      h.producer_wait_ns.fetch_add(elapsed_ns(start), std::memory_order_relaxed);  // relaxed: statistics
+      if (got != Status::kOk) return got;
+    }
+    const auto& ragged = layout_.ragged_fields();
+    std::size_t taken = 0;
+    for (std::size_t r = 0; r < ragged.size(); ++r) {
+      const std::size_t f = ragged[r];
+      const std::size_t bytes = static_cast<std::size_t>(lengths[r]) * layout_.field_bytes(f);
+      RaggedRef& ref = layout_.ref(slot, f);
+      ref = RaggedRef{lengths[r], kNoPage, kNoPage};
+      const auto* from = static_cast<const std::byte*>(fields[f]);
+      for (std::size_t copied = 0; copied < bytes;) {
+        if (ref.first == kNoPage) ref.first = page;
+        const std::size_t piece = std::min(heap.page_bytes(), bytes - copied);
+        std::memcpy(heap.page(page), from + copied, piece);
+        copied += piece;
+        ref.last = page;
+        // The chain's last link leads out of it: never followed.
+        if (++taken < total) page = heap.next(page);
+      }
+    }
+    DATAECHO_CHECK(taken == total && (total == 0 || ref_last(slot) == last));
+    return Status::kOk;
+  }
+
+  // The last page of the example's chain (the last non-empty ragged field's).
+  std::uint32_t ref_last(const std::byte* slot) const noexcept {
+    const auto& ragged = layout_.ragged_fields();
+    for (std::size_t r = ragged.size(); r-- > 0;)
+      if (layout_.ref(slot, ragged[r]).rows != 0 && layout_.ref(slot, ragged[r]).last != kNoPage)
+        return layout_.ref(slot, ragged[r]).last;
+    return kNoPage;
+  }
+
+  // A slot taken and not filled (no pages came in time) goes back to producers.
+  void give_back(std::uint32_t slot) noexcept {
+    if (!region_.free->try_push(slot))  // its cell may still be mid-pop by a producer a lap ahead
+      block_until(region_.free->not_full(), Deadline::never(), [&] { return region_.free->try_push(slot); });
   }
 
   Status acquire_slot(std::uint32_t& slot, Deadline deadline) {

@@ -2,6 +2,7 @@
 // private to the process or shared with worker processes.
 //
 //   [RegionHeader][free ring][committed ring][slot sequence numbers][arena: capacity slots]
+//   [page links][pages]   (the page heap of ragged values, when there are ragged fields)
 //
 // It holds no pointers, only offsets, sizes, 32- and 64-bit atomics and futex
 // words, so every process can map it at its own address. The header's first
@@ -20,13 +21,14 @@
 #include "dataecho/arena.hpp"
 #include "dataecho/config.hpp"
 #include "dataecho/layout.hpp"
+#include "dataecho/page_heap.hpp"
 #include "dataecho/ring.hpp"
 #include "dataecho/wait.hpp"
 
 namespace dataecho {
 
 inline constexpr std::uint64_t kRegionMagic = 0x6F68636561746164ull;  // "dataecho"
-inline constexpr std::uint64_t kRegionVersion = 2;
+inline constexpr std::uint64_t kRegionVersion = 3;
 inline constexpr std::size_t kMaxWorkers = 256;
 
 // Counters one producer (a worker process, say) keeps for stats(); written only
@@ -37,7 +39,7 @@ struct alignas(kCacheLine) WorkerCounters {
 };
 
 struct RegionHeader {
-  explicit RegionHeader(bool process_shared) : intake_advanced(process_shared) {}
+  explicit RegionHeader(bool process_shared) : intake_advanced(process_shared), heap(process_shared) {}
 
   // Written once by the creator before the region is shared; read-only after.
   std::uint64_t magic = 0;
@@ -51,6 +53,10 @@ struct RegionHeader {
   std::uint64_t committed_offset = 0;
   std::uint64_t seq_offset = 0;
   std::uint64_t arena_offset = 0;
+  std::uint64_t pages = 0;  // the page heap (0: none)
+  std::uint64_t page_bytes = 0;
+  std::uint64_t page_links_offset = 0;
+  std::uint64_t page_data_offset = 0;
   // Deterministic intake (0: off): a put with sequence number s waits until
   // s < intake_seq + window, so that at most window - 1 examples wait, out of
   // order, for an earlier one (see ShuffleBuffer's deterministic mode).
@@ -71,32 +77,49 @@ struct RegionHeader {
   // stored by the assembler, read by producers waiting on the window.
   alignas(kCacheLine) std::atomic<std::uint64_t> intake_seq{0};
   EventCount intake_advanced;
+  PageHeapState heap;
   WorkerCounters workers[kMaxWorkers];
 };
 
 static_assert(std::atomic<std::uint32_t>::is_always_lock_free && std::atomic<std::uint64_t>::is_always_lock_free,
               "region atomics must be lock-free to be address-free across processes");
 
-// Where each part of a region lives, for a given layout and capacity.
+// The page heap's size: `pages` pages of `page_bytes` (a power of two); none
+// when pages is 0.
+struct HeapConfig {
+  std::size_t pages = 0;
+  std::size_t page_bytes = 0;
+};
+
+// Where each part of a region lives, for a given layout, capacity and heap.
 struct RegionLayout {
   std::size_t ring_cells;
   std::size_t free_offset;
   std::size_t committed_offset;
   std::size_t seq_offset;
   std::size_t arena_offset;
+  std::size_t page_links_offset;
+  std::size_t page_data_offset;
   std::size_t total_bytes;
   std::size_t align;
 
-  RegionLayout(const ExampleLayout& layout, std::size_t capacity) {
+  RegionLayout(const ExampleLayout& layout, std::size_t capacity, HeapConfig heap = {}) {
+    DATAECHO_CHECK(heap.pages <= kMaxPages &&
+                   (heap.pages == 0 || (std::has_single_bit(heap.page_bytes) && heap.page_bytes >= kMinPageBytes &&
+                                        heap.page_bytes <= kMaxPageBytes)));
     ring_cells = std::max(Ring::kMinCapacity, std::bit_ceil(capacity));
-    align = layout.slot_align();
+    const std::size_t page_align = heap.pages ? std::min(heap.page_bytes, kPageAlign) : 1;
+    align = std::max(layout.slot_align(), page_align);
     free_offset = round_up(sizeof(RegionHeader), kCacheLine);
     committed_offset = free_offset + Ring::bytes(ring_cells);
     seq_offset = committed_offset + Ring::bytes(ring_cells);
     if (capacity > (SIZE_MAX - seq_offset) / sizeof(std::uint64_t)) throw std::bad_alloc();
-    arena_offset = round_up(seq_offset + capacity * sizeof(std::uint64_t), align);
+    arena_offset = round_up(seq_offset + capacity * sizeof(std::uint64_t), layout.slot_align());
     if (capacity > (SIZE_MAX - arena_offset) / layout.slot_stride()) throw std::bad_alloc();
-    total_bytes = arena_offset + capacity * layout.slot_stride();
+    page_links_offset = round_up(arena_offset + capacity * layout.slot_stride(), kCacheLine);
+    page_data_offset = round_up(page_links_offset + heap.pages * sizeof(std::uint32_t), page_align);
+    if (heap.pages > (SIZE_MAX - page_data_offset) / std::max<std::size_t>(heap.page_bytes, 1)) throw std::bad_alloc();
+    total_bytes = page_data_offset + heap.pages * heap.page_bytes;
   }
 };
 
@@ -115,6 +138,7 @@ inline std::uint64_t layout_hash(const ExampleLayout& layout) {
     mix(layout.field_bytes(f));
     mix(layout.slot_offset(f));
   }
+  for (std::size_t f = 0; f < layout.fields(); ++f) mix(layout.ragged(f) ? 1 : 0);
   mix(layout.slot_stride());
   return h;
 }
@@ -135,11 +159,12 @@ struct RegionView {
   // after its pop (C1).
   std::uint64_t* slot_seq = nullptr;
   SlotArena arena;
+  PageHeap heap;  // ragged values (no pages without ragged fields)
 
-  // Builds a new region in `base`: header, both rings, and every slot free.
+  // Builds a new region in `base`: header, both rings, every slot and page free.
   static RegionView create(std::byte* base, const ExampleLayout& layout, std::size_t capacity,
-                           bool process_shared, std::uint64_t window = 0) {
-    const RegionLayout where(layout, capacity);
+                           bool process_shared, std::uint64_t window = 0, HeapConfig heap = {}) {
+    const RegionLayout where(layout, capacity, heap);
     std::memset(base, 0, sizeof(RegionHeader));  // memory may be reused (BlockCache): nothing is assumed zero
     auto* header = new (base) RegionHeader(process_shared);
     header->window = window;
@@ -152,11 +177,22 @@ struct RegionView {
     header->committed_offset = where.committed_offset;
     header->seq_offset = where.seq_offset;
     header->arena_offset = where.arena_offset;
+    header->pages = heap.pages;
+    header->page_bytes = heap.page_bytes;
+    header->page_links_offset = where.page_links_offset;
+    header->page_data_offset = where.page_data_offset;
     RegionView view{header, Ring::create(base + where.free_offset, where.ring_cells, process_shared),
                     Ring::create(base + where.committed_offset, where.ring_cells, process_shared),
                     zeroed_u64(base + where.seq_offset, capacity),
-                    SlotArena(base + where.arena_offset, capacity, layout.slot_stride())};
+                    SlotArena(base + where.arena_offset, capacity, layout.slot_stride()),
+                    heap_view(base, *header)};
     for (std::uint32_t slot = 0; slot < capacity; ++slot) DATAECHO_CHECK(view.free->try_push(slot));
+    if (heap.pages) {
+      for (std::size_t i = 0; i < heap.pages; ++i)  // the links: trivial atomics, created in place
+        new (base + where.page_links_offset + i * sizeof(std::uint32_t)) std::atomic<std::uint32_t>(0);
+      view.heap = heap_view(base, *header);
+      view.heap.format();
+    }
     // Other processes attach only after they are started, which orders these
     // plain writes before their reads.
     header->version = kRegionVersion;
@@ -171,14 +207,26 @@ struct RegionView {
     auto* header = std::launder(reinterpret_cast<RegionHeader*>(base));
     if (header->magic != kRegionMagic || header->version != kRegionVersion) return false;
     if (header->layout_hash != layout_hash(layout) || header->total_bytes > bytes) return false;
-    const RegionLayout where(layout, header->capacity);
+    if (header->pages > kMaxPages || (header->pages != 0 && (!std::has_single_bit(header->page_bytes) ||
+                                                             header->page_bytes < kMinPageBytes ||
+                                                             header->page_bytes > kMaxPageBytes)))
+      return false;
+    const RegionLayout where(layout, header->capacity, {header->pages, header->page_bytes});
     if (where.total_bytes != header->total_bytes || where.arena_offset != header->arena_offset) return false;
-    if (where.seq_offset != header->seq_offset) return false;
+    if (where.seq_offset != header->seq_offset || where.page_data_offset != header->page_data_offset) return false;
     out = {header, std::launder(reinterpret_cast<Ring*>(base + header->free_offset)),
            std::launder(reinterpret_cast<Ring*>(base + header->committed_offset)),
            std::launder(reinterpret_cast<std::uint64_t*>(base + header->seq_offset)),
-           SlotArena(base + header->arena_offset, header->capacity, header->slot_stride)};
+           SlotArena(base + header->arena_offset, header->capacity, header->slot_stride), heap_view(base, *header)};
     return true;
+  }
+
+ private:
+  static PageHeap heap_view(std::byte* base, RegionHeader& header) noexcept {
+    if (header.pages == 0) return {};
+    return PageHeap(&header.heap,
+                    std::launder(reinterpret_cast<std::atomic<std::uint32_t>*>(base + header.page_links_offset)),
+                    base + header.page_data_offset, header.pages, header.page_bytes);
   }
 };
 

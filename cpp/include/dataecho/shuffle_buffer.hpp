@@ -15,6 +15,11 @@
 //  4. Finished batches wait in a ReadyQueue of depth `prefetch`, so the
 //     consumer's next() is a pop.
 //
+// Ragged fields' values live in the region's page heap (page_heap.hpp), taken
+// by the producer with its slot and given back with it; when a producer waits
+// for pages, the assembler draws from what is resident instead of waiting to
+// fill the reservoir (Assembler::fill), since only draws free pages.
+//
 // This file keeps what the policies share: the region, the batch pool, the
 // ready queue and the assembler thread, with the producers' and the consumer's
 // entry points. Checkpoints are checkpoint.hpp.
@@ -24,9 +29,11 @@
 // batch, not once per slot: a futex wake is a system call, and on a virtual
 // machine an IPI.
 //
-// Memory bound: capacity slots + (prefetch + 1) batches + batches the consumer
-// keeps alive. Every slot index is at any time in exactly one of: the free ring,
-// a producer's hands, the committed ring, the ordered intake, the reservoir.
+// Memory bound: capacity slots + the page heap + (prefetch + 1) batches +
+// batches the consumer keeps alive. Every slot index is at any time in exactly
+// one of: the free ring, a producer's hands, the committed ring, the ordered
+// intake, the reservoir; every page in one of: the heap's free stack, a
+// producer's hands, the chain of an example whose slot is not free.
 //
 // Synchronization:
 //   - slot bytes: producer's writes -> committed push (P2) -> assembler's pop (C1)
@@ -84,6 +91,10 @@ class ShuffleBuffer {
         ready_(config_.prefetch, config_.auto_echo ? &region_.committed->not_empty() : nullptr),
         assembler_(config_, layout_, region_, *pool_, ready_, stop_, desk_) {
     DATAECHO_CHECK(layout_.batch_size() == config_.batch_size);
+    DATAECHO_CHECK(layout_.ragged_fields().empty() == (config_.pages == 0));
+    DATAECHO_CHECK(config_.key_field < 0 || (static_cast<std::size_t>(config_.key_field) < layout_.fields() &&
+                                             !layout_.ragged(static_cast<std::size_t>(config_.key_field)) &&
+                                             layout_.field_bytes(static_cast<std::size_t>(config_.key_field)) == 8));
     // relaxed: before any producer exists. Resumed puts of resident examples
     // (numbered below next_seq) pass the intake window at once.
     if (config_.restore) region_.header->intake_seq.store(config_.restore->next_seq, std::memory_order_relaxed);
@@ -110,8 +121,11 @@ class ShuffleBuffer {
 
   // ---- producers (any thread) ----
 
-  // Copies one example (one pointer per field) into a slot and commits it.
-  Status put(const void* const* fields, Deadline deadline) { return producer_.put(fields, deadline); }
+  // Copies one example (one pointer per field; `rows` per ragged field) into a
+  // slot and commits it.
+  Status put(const void* const* fields, Deadline deadline, const std::uint64_t* rows = nullptr) {
+    return producer_.put(fields, deadline, 0, rows);
+  }
 
   // Copies rows [done, n) of stacked per-field arrays; `done` advances as rows
   // land, so a call interrupted by a timeout can be resumed where it stopped.
@@ -129,6 +143,7 @@ class ShuffleBuffer {
     region_.free->not_empty().notify_all();
     region_.committed->not_empty().notify_all();
     region_.header->intake_advanced.notify_all();  // producers waiting on the reorder window
+    region_.header->heap.freed.notify_all();       // ... or for pages
   }
 
   // Abandon: like close(), but the assembler drops what is resident and exits,
@@ -210,6 +225,8 @@ class ShuffleBuffer {
     s.resident = assembler_.resident();
     s.free_slots = free_slots();
     s.batch_blocks = pool_->allocated();
+    s.pages = region_.heap.pages();
+    s.pages_in_use = region_.heap.in_use();
     s.producer_wait_s = 1e-9 * static_cast<double>(region_.header->producer_wait_ns.load(std::memory_order_relaxed));
     s.consumer_wait_s = 1e-9 * static_cast<double>(consumer_wait_ns_.load(std::memory_order_relaxed));
     return s;
@@ -234,7 +251,8 @@ class ShuffleBuffer {
  private:
   // The region: heap memory, or named shared memory for worker processes.
   RegionView make_region() {
-    const RegionLayout where(layout_, config_.capacity);
+    const HeapConfig heap{config_.pages, config_.page_bytes};
+    const RegionLayout where(layout_, config_.capacity, heap);
     std::byte* base;
     if (config_.shared) {
       shared_.emplace(SharedMemory::create(where.total_bytes));
@@ -249,7 +267,7 @@ class ShuffleBuffer {
     // - 1 resident), that leaves at least two free slots, one for the example
     // being waited for: intake cannot deadlock.
     const std::uint64_t window = config_.deterministic ? config_.batch_size : 0;
-    return RegionView::create(base, layout_, config_.capacity, config_.shared, window);
+    return RegionView::create(base, layout_, config_.capacity, config_.shared, window, heap);
   }
 
   static std::uint64_t elapsed_ns(Clock::time_point start) noexcept {
