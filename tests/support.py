@@ -26,9 +26,11 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 import dataecho
+from dataecho.source import SAMPLE
 
 TESTS = Path(__file__).resolve().parent
 PAYLOAD = 16  # bytes of id-derived payload per example
+FIRST = SAMPLE  # examples an epoch reads itself first, to learn the structure (fewer if the source has fewer)
 FIELDS = {"id": ((), "int64"), "payload": ((PAYLOAD,), "uint8")}
 
 
@@ -62,14 +64,64 @@ def id_buffer(**kwargs: Any) -> dataecho.ShuffleBuffer:
 
 
 def checked_ids(batch: dict[str, np.ndarray]) -> np.ndarray:
-    """The batch's ids (a copy), after checking that every payload byte belongs to its id."""
+    """The batch's ids (a copy), after checking that every payload byte belongs to
+    its id (and, in ragged examples, every token, box and name)."""
     ids = np.asarray(batch["id"])
     payload = np.asarray(batch["payload"])
     assert ids.ndim == 1 and payload.shape == (len(ids), PAYLOAD), (ids.shape, payload.shape)
     if not np.array_equal(payload, payload_of(ids)):
         bad = np.flatnonzero((payload != payload_of(ids)).any(axis=1))
         raise AssertionError(f"corrupt payload for ids {ids[bad][:5].tolist()}")
+    if "tokens" in batch:
+        check_ragged(ids, batch)
     return ids.copy()
+
+
+# ---- ragged examples: lengths, values and objects derived from the id ----
+
+
+def tokens_of(i: int) -> np.ndarray:
+    """Example i's token ids: a length from 0 to 2,999 derived from the id (every
+    11th empty, every 97th 2,000 or more), int32 values from the id and position."""
+    n = 0 if i % 11 == 0 else 2000 + i % 1000 if i % 97 == 0 else (i * 37) % 300
+    return ((i * 131 + np.arange(n) * 7 + 3) % 30011).astype(np.int32)
+
+
+def boxes_of(i: int) -> np.ndarray:
+    """Example i's boxes: i % 6 rows of 4 float32."""
+    return np.arange(4, dtype=np.float32) + np.full((i % 6, 1), i, dtype=np.float32)
+
+
+def name_of(i: int) -> Any:
+    """Example i's name: a str, bytes or None (a leaf that is not an array)."""
+    return None if i % 5 == 0 else f"example {i}".encode() if i % 5 == 1 else f"example {i}"
+
+
+def ragged_one(i: int) -> dict[str, Any]:
+    """Example i with ragged leaves and an object leaf beside its id and payload."""
+    return {**one(i), "tokens": tokens_of(i), "boxes": boxes_of(i), "name": name_of(i)}
+
+
+def rows(leaf: Any) -> list[np.ndarray]:
+    """A batch's ragged leaf as one NumPy array per row, whatever its form: a
+    Ragged, a jagged nested tensor, or a Padded of arrays or tensors."""
+    if isinstance(leaf, dataecho.Padded):
+        data, lengths = np.asarray(leaf.data), np.asarray(leaf.lengths)
+        assert (np.asarray(leaf.mask).sum(axis=1) == lengths).all(), "the mask covers each row's length"
+        return [row[:n] for row, n in zip(data, lengths)]
+    if isinstance(leaf, dataecho.Ragged):
+        return list(leaf)
+    return [t.numpy() for t in leaf.unbind()]  # a nested tensor
+
+
+def check_ragged(ids: np.ndarray, batch: dict[str, Any]) -> None:
+    """Every row's tokens, boxes and name belong to its id."""
+    names = batch["name"]
+    assert isinstance(names, list) and len(names) == len(ids), type(names)
+    for i, tokens, boxes, name in zip(ids.tolist(), rows(batch["tokens"]), rows(batch["boxes"]), names):
+        assert np.array_equal(tokens, tokens_of(i)) and tokens.dtype == np.int32, f"tokens of id {i}"
+        assert np.array_equal(boxes, boxes_of(i)), f"boxes of id {i}"
+        assert name == name_of(i), f"name of id {i}: {name!r}"
 
 
 # ---- sources and transforms (module level: worker processes unpickle them) ----
@@ -97,9 +149,12 @@ def read_record(source: Records, i: int) -> Any:
 
 
 def shaped(i: int, form: str) -> Any:
-    """Example i as a dict (``one(i)``), an (id, payload) tuple, or the bare id."""
+    """Example i as a dict (``one(i)``), a dict with ragged leaves
+    (``ragged_one(i)``), an (id, payload) tuple, or the bare id."""
     if form == "dict":
         return one(i)
+    if form == "ragged":
+        return ragged_one(i)
     if form == "tuple":
         return (np.int64(i), payload_of([i])[0])
     return i
@@ -120,7 +175,8 @@ class Records:
         jitter: the chance that a read pauses 2 ms. The pauses are drawn from a
             seeded generator, but which reads get them depends on thread timing,
             so the timing of a run is not repeatable, which is the point.
-        form: "dict" (``one(i)``), "tuple" (id, payload) or "scalar" (the id).
+        form: "dict" (``one(i)``), "ragged" (``ragged_one(i)``), "tuple" (id,
+            payload) or "scalar" (the id).
     """
 
     def __init__(
@@ -554,6 +610,12 @@ def kept_bytes(loader: dataecho.EchoLoader) -> int:
     return loader._memory.kept_bytes
 
 
+def objects_held(epoch: Any) -> int:
+    """Examples whose Python objects an epoch's echo buffer holds by reference."""
+    codec = epoch.stages[0]._buffer.codec
+    return 0 if codec is None else codec.held
+
+
 def worker_pids(loader: dataecho.EchoLoader) -> list[int]:
     """The pids of the worker processes of the loader's current epoch."""
     return [worker["pid"] for worker in loader.stats()["workers"]]
@@ -568,7 +630,13 @@ def spy_on_last_stage(epoch: Any) -> list[set[int]]:
 
     def spy(timeout_s: float | None = None) -> Any:
         batch = upstream(timeout_s)
-        native.append({a.ctypes.data for a in batch.arrays})
+        addresses = set()
+        for leaf in batch.arrays:
+            if isinstance(leaf, dataecho.Ragged):
+                addresses |= {leaf.values.ctypes.data, leaf.offsets.ctypes.data}
+            elif isinstance(leaf, np.ndarray):
+                addresses.add(leaf.ctypes.data)
+        native.append(addresses)
         return batch
 
     last.next = spy

@@ -10,7 +10,7 @@ import pickle
 
 import numpy as np
 import pytest
-from support import Records
+from support import FIRST, Records
 
 import dataecho
 
@@ -166,8 +166,8 @@ def test_resume_reads_only_resident_and_later_examples():
     intake = stages["intake"]
     queued_rows = sum(len(q["rows"]) for name in ("intake", "intake_replay", "final_replay")
                       for q in stages[name]["queued"])
-    # Every example left to read, the resident ones, the queued rows, and one to learn the structure.
-    assert sum(source.reads.values()) == (N - intake["next_seq"]) + len(intake["positions"]) + queued_rows + 1
+    # Every example left to read, the resident ones, the queued rows, and the first ones, to learn the structure.
+    assert sum(source.reads.values()) == (N - intake["next_seq"]) + len(intake["positions"]) + queued_rows + FIRST
     assert taken + rest == run(make(), 1)
 
 

@@ -17,7 +17,7 @@ import datasets
 import numpy as np
 import pytest
 import torch
-from support import PAYLOAD, Records, drain, kept_bytes, payload_of
+from support import FIRST, PAYLOAD, Records, drain, kept_bytes, payload_of
 
 import dataecho
 from dataecho import _core
@@ -220,7 +220,7 @@ def test_getitems_is_called_once_per_chunk_and_every_example_comes_once(seed):
     seen: Counter = Counter()
     drain(dataecho.EchoLoader(source, batch_size=100, echo_factor=1, seed=seed), seen)
     assert seen == Counter(range(N))
-    assert len(source.singles) == 1, "__getitem__ reads only the first example, which tells the structure"
+    assert len(source.singles) == FIRST, "__getitem__ reads only the first examples, which tell the structure"
     assert all(1 <= len(call) <= CHUNK for call in source.calls)
     assert sorted(sum(source.calls, source.singles)) == list(range(N)), "each index read once"
 
@@ -367,9 +367,21 @@ def test_a_dataset_with_a_transform_of_its_own_is_read_through_it(hf_rows, seed)
     assert batch["x"].dtype == np.float16
 
 
-def test_an_arrow_column_of_ragged_lists_is_an_error_that_names_it():
-    dataset = datasets.Dataset.from_dict({"tokens": [[1, 2, 3]] * 100 + [[1, 2]] * 100})
-    with pytest.raises(ValueError, match="column 'tokens' holds lists of different lengths"):
+def test_an_arrow_column_of_lists_of_any_length_is_read_packed_as_a_ragged_leaf(seed):
+    # Lengths vary after the first rows, where nothing but the table's offsets tells.
+    rows = [[i] * (0 if i < 50 else i % 7) for i in range(200)]
+    dataset = datasets.Dataset.from_dict({"id": np.arange(200), "tokens": rows}).with_format("numpy")
+    seen: Counter = Counter()
+    for batch in dataecho.EchoLoader(dataset, batch_size=16, echo_factor=1, seed=seed):
+        assert isinstance(batch["tokens"], dataecho.Ragged) and batch["tokens"].dtype == np.int64
+        assert [row.tolist() for row in batch["tokens"]] == [rows[i] for i in batch["id"]]
+        seen.update(batch["id"].tolist())
+    assert seen == Counter(range(200))
+
+
+def test_an_arrow_column_whose_inner_lists_vary_is_an_error_that_names_it():
+    dataset = datasets.Dataset.from_dict({"boxes": [[[1, 2], [3, 4]]] * 100 + [[[1, 2, 3]]] * 100})
+    with pytest.raises(ValueError, match="column 'boxes' holds lists of different lengths"):
         list(dataecho.EchoLoader(dataset, batch_size=16, echo_factor=1, shuffle=False, workers=1))
 
 
@@ -394,7 +406,7 @@ def test_by_default_reads_that_wait_get_more_threads_and_every_example_comes_onc
     assert seen == Counter(range(600))
     workers = loader.stats()["workers"]
     assert len(workers) > 1, "a read that sleeps 2 ms on 0.1 ms of CPU gains from threads"
-    assert sum(w["produced"] for w in workers) == 599, "all but the first, which the loader reads itself"
+    assert sum(w["produced"] for w in workers) == 600 - FIRST, "all but the first ones, which the loader reads itself"
 
 
 def test_growth_asks_for_wall_over_cpu_threads_once_after_its_sample():

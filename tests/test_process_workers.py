@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from processes import descendants, shm_segments, worker_processes
 from support import (
-    ExitAt, InjectedFault, MarkedRecords, Records, Stream, checked_ids, child_script, kill_owner, mark_worker,
+    FIRST, ExitAt, InjectedFault, MarkedRecords, Records, Stream, checked_ids, child_script, kill_owner, mark_worker,
     suicide_at_500, wait_for, with_pid, with_pid_and_tensor, worker_pids,
 )
 
@@ -59,8 +59,8 @@ def test_map_style_every_example_echoed_exactly(seed):
     # started (the first epoch also starts the forkserver): one may do it all.
     assert len(workers) == 2 and all(w["produced"] >= 0 and w["busy_s"] >= 0 for w in workers)
     assert len({w["pid"] for w in workers} - {os.getpid()}) == 2
-    # The parent reads one example to learn the structure; the workers read the rest.
-    assert sum(w["produced"] for w in workers) + 1 == stats["fresh"] == 3000
+    # The parent reads the first examples to learn the structure; the workers read the rest.
+    assert sum(w["produced"] for w in workers) + FIRST == stats["fresh"] == 3000
     # A second epoch starts new workers and a new region.
     assert sorted(ids(list(loader))) == list(range(3000))
 
@@ -283,14 +283,14 @@ def persistent(source, **kwargs) -> dataecho.EchoLoader:
 def epoch_of(loader, n: int) -> set[int]:
     """Runs an epoch, checks that it gave each of the n examples once; returns
     the pids of the loader's worker processes, after checking that they read
-    every example but the one read here (the first, to learn the structure)."""
+    every example but those read here (the first ones, to learn the structure)."""
     seen, pids = Counter(), Counter()
     for batch in loader:
         seen.update(checked_ids(batch).tolist())
         pids.update(batch["pid"].tolist())
     assert seen == Counter(range(n))
     workers = set(worker_pids(loader))
-    assert len(workers) == 2 and set(pids) - {os.getpid()} <= workers and pids[os.getpid()] <= 1
+    assert len(workers) == 2 and set(pids) - {os.getpid()} <= workers and pids[os.getpid()] <= FIRST
     return workers
 
 

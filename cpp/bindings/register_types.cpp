@@ -66,6 +66,7 @@ void register_stats(py::module_& m) {
       .def_readonly("batch_blocks", &BufferStats::batch_blocks)
       .def_readonly("pages", &BufferStats::pages)
       .def_readonly("pages_in_use", &BufferStats::pages_in_use)
+      .def_readonly("starved", &BufferStats::starved)
       .def_readonly("producer_wait_s", &BufferStats::producer_wait_s)
       .def_readonly("consumer_wait_s", &BufferStats::consumer_wait_s);
 }

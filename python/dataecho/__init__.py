@@ -11,6 +11,8 @@ from ._worker import WorkerInfo, get_worker_info
 from .buffer import ShuffleBuffer
 from .errors import BufferClosed
 from .loader import EchoLoader
+from .ragged import Padded, Ragged
 
-__all__ = ["BufferClosed", "EchoLoader", "ShuffleBuffer", "WorkerInfo", "__version__", "get_worker_info"]
+__all__ = ["BufferClosed", "EchoLoader", "Padded", "Ragged", "ShuffleBuffer", "WorkerInfo", "__version__",
+           "get_worker_info"]
 __version__ = "0.1.0"

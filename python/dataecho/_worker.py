@@ -26,6 +26,7 @@ import numpy as np
 from . import _core
 from .chunks import Columns, claimed, map_reader
 from .fields import Field, to_field_array
+from .objects import LeafMap
 from .structure import Structure
 
 _OK, _CLOSED = _core.Status.OK, _core.Status.CLOSED
@@ -120,7 +121,7 @@ def main(spec: WorkerSpec, conn: Any, lifeline: Any, tasks: Any = None) -> None:
 def _epoch(spec: WorkerSpec, conn: Any, parent: int) -> None:
     """Reads this worker's share of one epoch into the buffer region ``spec.region``."""
     try:
-        producer = _core.Producer(spec.region, [(f.shape, f.dtype) for f in spec.fields])
+        producer = _core.Producer(spec.region, [f.decl() for f in LeafMap(spec.fields, "pickle").native])
     except BaseException as error:
         _send(conn, ("error", spec.worker_id, error, traceback.format_exc()))
         return
@@ -159,7 +160,8 @@ def _read_map(spec: WorkerSpec, producer: Any, meter: _Meter, orphaned: Any) -> 
     a claimed position is also the example's sequence number."""
     reader = map_reader(spec.source, spec.transform, spec.order)
     start = time.perf_counter()
-    for seq, rows, read in claimed(producer.claim_range, spec.chunk, reader, Columns(spec.structure, spec.fields)):
+    columns = Columns(spec.structure, spec.fields, LeafMap(spec.fields, "pickle").codec)
+    for seq, rows, read in claimed(producer.claim_range, spec.chunk, reader, columns):
         meter.busy(time.perf_counter() - start)
         done = 0
         while done < rows:
@@ -176,7 +178,8 @@ def _produce(spec: WorkerSpec, producer: Any, meter: _Meter, orphaned: Any, exam
     if spec.transform is not None:
         example = spec.transform(example)
     leaves = spec.structure.flatten(example)
-    arrays = [to_field_array(v, f, None, "worker put()") for v, f in zip(leaves, spec.fields)]
+    converted = [v if f.kind == "object" else to_field_array(v, f, None, "example") for v, f in zip(leaves, spec.fields)]
+    arrays = LeafMap(spec.fields, "pickle").example(converted)
     meter.busy(time.perf_counter() - start)
     while True:
         status = producer.put(arrays, 1.0, seq)

@@ -27,10 +27,10 @@ from typing import Any, Callable
 import numpy as np
 
 from . import _core
-from .buffer import NativeBuffer, buffer_config
+from .buffer import NativeBuffer, buffer_config, ragged_heap
 from .config import LoaderConfig
 from .errors import BufferClosed
-from .fields import parse_fields
+from .ragged import row_of
 from .source import EpochSource, stack
 from .stage import Batch, Failure, Stage, stop_iteration_error
 from .structure import Structure, read_only
@@ -104,6 +104,7 @@ class AugmentStage:
             deterministic=config.deterministic, in_order=config.in_order,
         )
         self._pinned_batches, self._chunk = pinned_batches, config.batch_size
+        self._ragged, self._ragged_bytes = config.ragged, config.ragged_bytes
         self._setup = threading.Lock()
         self._stop = threading.Event()
         self._taken = 0  # deliveries numbered so far
@@ -149,7 +150,7 @@ class AugmentStage:
             self._replay_rng = DeliveryRng(*self._rng_key)
         task = _Task(None, ids["rows"], ids["deliveries"])
         results = list(self._augmented(task, self._replay_rng))
-        structure = self._out_structure_for(results[0][1])
+        structure = self._out_structure_for([result for _, result in results])
         arrays = stack(structure, [structure.flatten(result) for _, result in results])
         return Batch(structure, arrays, ids["rows"], ids["deliveries"])
 
@@ -169,7 +170,8 @@ class AugmentStage:
                 thread.join(timeout_s)
 
     def counters(self) -> dict[str, Any]:
-        return {"augmented": self._taken}
+        output = None if self._ended else self.output
+        return {"augmented": self._taken, "starved": output.stats()["starved"] if output is not None else 0}
 
     def state(self) -> dict[str, Any] | None:
         """Under the pull lock: no row is being taken from upstream meanwhile."""
@@ -220,8 +222,9 @@ class AugmentStage:
                     task = self._take()
                 except StopIteration:
                     break  # the upstream has ended
-                for delivery, result in self._augmented(task, rng):
-                    output = self.output or self._create_output(result)
+                results = list(self._augmented(task, rng))
+                output = self.output or self._create_output([result for _, result in results])
+                for delivery, result in results:
                     output.put_values(self.out_structure.flatten(result), seq=delivery)
         except BufferClosed:
             pass
@@ -265,26 +268,30 @@ class AugmentStage:
             arrays = self._source.read_rows(self._structure, task.rows)
         views = read_only(arrays)
         for row, delivery in enumerate(task.deliveries.tolist()):
-            example = self._structure.unflatten([v[row] for v in views], copy_raw=True)
+            example = self._structure.unflatten([row_of(v, row) for v in views], copy_raw=True)
             try:
                 result = self._augment(example) if rng is None else self._augment(example, rng=rng.at(delivery))
             except StopIteration as stop:  # not this generator's end: an error (see Failure.set)
                 raise stop_iteration_error(stop, "augment") from stop
             yield delivery, result
 
-    def _out_structure_for(self, first_result: Any) -> Structure:
+    def _out_structure_for(self, results: list) -> Structure:
+        """The output's structure, from the first results (a batch of them: leaves
+        whose length varies among them are ragged)."""
         with self._setup:
             if self.out_structure is None:
-                self.out_structure = Structure.infer(first_result)
+                self.out_structure = Structure.infer(results[0], results[1:], self._ragged, strict=False)
             return self.out_structure
 
-    def _create_output(self, first_result: Any) -> NativeBuffer:
-        structure = self._out_structure_for(first_result)
+    def _create_output(self, results: list) -> NativeBuffer:
+        structure = self._out_structure_for(results)
         with self._setup:
             if self._stop.is_set():
                 raise BufferClosed("the epoch was stopped")
             if self.output is None:
-                output = NativeBuffer(parse_fields(structure.fields())[0], self._output_config, self._restore)
+                config = self._output_config
+                config.pages, config.page_bytes = ragged_heap(structure, config.capacity, self._ragged_bytes, "key")
+                output = NativeBuffer(structure.fields(), config, self._restore)
                 if self._pinned_batches:
                     from .torch_support import pin_batch_memory
 

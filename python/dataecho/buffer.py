@@ -10,6 +10,7 @@ arrays.
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import threading
 import weakref
@@ -20,14 +21,17 @@ import numpy as np
 from . import _checks, _core
 from .errors import BufferClosed
 from .fields import Field, parse_fields, to_field_array
+from .objects import LeafMap
+from .ragged import Ragged
 from .structure import key_mismatch
 
-__all__ = ["NativeBuffer", "ShuffleBuffer", "buffer_config"]
+__all__ = ["NativeBuffer", "ShuffleBuffer", "buffer_config", "page_heap", "ragged_heap"]
 
 _OK, _CLOSED, _TIMEOUT = _core.Status.OK, _core.Status.CLOSED, _core.Status.TIMEOUT
 _STATS = ("fresh", "delivered", "batches", "dropped", "evicted", "resident", "free_slots", "batch_blocks",
-          "producer_wait_s", "consumer_wait_s")
+          "pages", "pages_in_use", "starved", "producer_wait_s", "consumer_wait_s")
 _live: weakref.WeakSet[NativeBuffer] = weakref.WeakSet()
+MAX_PAGE_FOR_DEFAULT = 1 << 16  # the largest page chosen by default (bigger examples take several)
 
 
 def buffer_config(**values: Any) -> _core.BufferConfig:
@@ -38,6 +42,47 @@ def buffer_config(**values: Any) -> _core.BufferConfig:
     return config
 
 
+def page_heap(budget_bytes: int, example_bytes: float) -> tuple[int, int]:
+    """(pages, page_bytes) of a page heap for ragged values: pages of about an
+    eighth of an example's ragged bytes (a power of two, 64 B to 64 KiB), so that
+    the last, partly filled page of each example wastes about 6% on average, and
+    as many as ``budget_bytes`` holds.
+
+    Args:
+        budget_bytes: the memory budget for ragged values.
+        example_bytes: an example's ragged bytes, on average (a guess is fine).
+    """
+    target = max(example_bytes / 8, 1.0)
+    page = 1 << max(0, round(math.log2(target)))
+    page = min(max(page, _core.MIN_PAGE_BYTES), MAX_PAGE_FOR_DEFAULT)
+    return max(1, min(budget_bytes // page, _core.MAX_PAGES)), page
+
+
+def ragged_heap(structure: Any, capacity: int, budget_bytes: int | None, objects: str) -> tuple[int, int]:
+    """(pages, page_bytes) for a buffer of ``structure``'s examples: none
+    without ragged values; else pages sized from the examples the structure was
+    inferred from, and ``budget_bytes`` of them. By default capacity x the
+    larger of 4 x their mean and 2 x the largest: the heap's pages are touched
+    only once used (dataecho's page heap takes fresh pages last), so the room
+    for examples longer than the first ones costs no memory until they come.
+    Shared with worker processes (``objects="pickle"``), the memory is reserved
+    up front: capacity x the larger of 2 x the mean and the largest. Object
+    leaves count there, as they travel pickled, as ragged bytes."""
+    kinds = set(structure.kinds)
+    pickled = objects == "pickle" and "object" in kinds
+    if "ragged" not in kinds and not pickled:
+        return 0, 0
+    sample = structure.sample_bytes["ragged"] or [0]
+    if pickled:
+        extra = structure.sample_bytes["object"] or [256]
+        sample = [a + b for a, b in zip(sample, extra)] if "ragged" in kinds else extra
+    mean = max(sum(sample) / len(sample), 1.0)
+    if budget_bytes is None:
+        scale = (2 * mean, max(sample)) if objects == "pickle" else (4 * mean, 2 * max(sample))
+        budget_bytes = max(int(capacity * max(scale)), 1 << 16)
+    return page_heap(budget_bytes, mean)
+
+
 class NativeBuffer:
     """The compiled buffer for dataecho's stages: puts, batches, snapshots.
 
@@ -46,24 +91,39 @@ class NativeBuffer:
     process on one that breaks its invariants) and, to ``put_arrays``, arrays
     already converted to the fields.
 
+    Each field is one leaf of an example. Array and ragged fields are native
+    fields; object fields ride in one more native field, the carrier
+    (dataecho.objects), after them. A batch has one entry per field: an array,
+    a :class:`~dataecho.ragged.Ragged`, or a list of objects.
+
     Args:
         fields: the example's fields.
-        config: the buffer's configuration.
+        config: the buffer's configuration (with a page heap where a field is
+            ragged, the carrier included: see :func:`page_heap`).
         restore: a snapshot to resume from (deterministic buffers).
         cache: where the buffer's memory comes from and goes back to when it is
             freed, for the next buffer of the same size (a loader's next epoch).
+        objects: how object fields travel: ``"key"`` (by reference) or
+            ``"pickle"`` (the buffer is shared with worker processes).
     """
 
     def __init__(self, fields: list[Field], config: _core.BufferConfig, restore: _core.Snapshot | None = None,
-                 cache: _core.BlockCache | None = None):
+                 cache: _core.BlockCache | None = None, objects: str = "key"):
         self.fields = fields
+        self.page_bytes = config.page_bytes  # of the page heap for ragged values (0: none)
+        self.capacity = config.capacity
+        self._map = LeafMap(fields, objects)
+        self.codec = self._map.codec
+        if self.codec is not None and self.codec.mode == "key":
+            config.key_field = len(self._map.native) - 1
         try:
-            self._core = _core.Buffer([(f.shape, f.dtype) for f in fields], config, restore, cache)
+            self._core = _core.Buffer([f.decl() for f in self._map.native], config, restore, cache)
         except MemoryError:
             example = sum(f.nbytes for f in fields)
             raise MemoryError(
                 f"capacity: cannot allocate {config.capacity} slots of {example} bytes "
-                f"({config.capacity * example / 2**30:.1f} GiB); lower capacity"
+                f"({config.capacity * example / 2**30:.1f} GiB) and {config.pages * config.page_bytes} bytes "
+                f"for ragged values; lower capacity (or ragged_bytes)"
             ) from None
         self._pid = os.getpid()
         self.forked = False  # set in a forked child by _forget_after_fork: no syscall per call
@@ -74,12 +134,14 @@ class NativeBuffer:
     def put_values(self, values: list, timeout_s: float | None = None, seq: int = 0) -> None:
         """Puts one example given as one value per field (converted here);
         ``seq`` is its position in the input, for deterministic intake."""
-        self.put_arrays([to_field_array(v, f, None, "put()") for v, f in zip(values, self.fields)], timeout_s, seq)
+        self.put_arrays([v if f.kind == "object" else to_field_array(v, f, None, "put()")
+                         for v, f in zip(values, self.fields)], timeout_s, seq)
 
-    def put_arrays(self, arrays: list[np.ndarray], timeout_s: float | None = None, seq: int = 0) -> None:
-        """Puts one example given as one converted array per field."""
+    def put_arrays(self, arrays: list[Any], timeout_s: float | None = None, seq: int = 0) -> None:
+        """Puts one example given as one converted array per field (object
+        fields: the objects themselves)."""
         self.check_process()
-        status = self._core.put(arrays, timeout_s, seq)
+        status = self._core.put(self._map.example(arrays), timeout_s, seq)
         if status == _CLOSED:
             raise BufferClosed("put(): the ShuffleBuffer is closed")
         if status == _TIMEOUT:
@@ -95,9 +157,10 @@ class NativeBuffer:
 
     def put_each(self, columns: list, rows: int, first_seq: int = 0, timeout_s: float | None = None,
                  done: int = 0) -> int:
-        """Puts rows [done, rows) of ``columns`` (one per field: see
-        ``_core.Buffer.put_each``), row i numbered ``first_seq + i``; returns the
-        rows put by then: all of them, or fewer when ``timeout_s`` ran out.
+        """Puts rows [done, rows) of ``columns`` (one per native field, the
+        carrier last: see ``_core.Buffer.put_each`` and dataecho.chunks.Columns),
+        row i numbered ``first_seq + i``; returns the rows put by then: all of
+        them, or fewer when ``timeout_s`` ran out.
 
         Raises:
             BufferClosed: the buffer was closed or stopped.
@@ -107,6 +170,11 @@ class NativeBuffer:
         if status == _CLOSED:
             raise BufferClosed("put(): the ShuffleBuffer is closed")
         return done
+
+    def native_columns(self, columns: list) -> list:
+        """Columns of ``put_each`` given one per field: the object fields'
+        columns become the carrier's (dataecho.objects), last."""
+        return self._map.columns(columns)
 
     def claim_range(self, count: int) -> tuple[int, int]:
         """Up to ``count`` consecutive positions of a map-style order to read:
@@ -145,22 +213,24 @@ class NativeBuffer:
 
     # ---- consumer ----
 
-    def next_arrays(self, timeout_s: float | None = None) -> tuple[np.ndarray, ...]:
-        """The next batch, one array per field. Raises StopIteration at the end
-        and TimeoutError when ``timeout_s`` passes first."""
+    def next_arrays(self, timeout_s: float | None = None) -> tuple[Any, ...]:
+        """The next batch, one entry per field (an array, a Ragged, a list of
+        objects). Raises StopIteration at the end and TimeoutError when
+        ``timeout_s`` passes first."""
         self.check_process()
         status, arrays = self._core.next(timeout_s)
         if status == _OK:
-            return arrays
+            return self._map.leaves(arrays, self._core.last_released if self.codec is not None else None)
         if status == _CLOSED:
             raise StopIteration
         raise TimeoutError(f"next_batch(): no batch within {timeout_s} s")
 
-    def copy_batch(self, arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    def copy_batch(self, leaves: tuple[Any, ...]) -> tuple[Any, ...]:
         """A copy of a batch of this buffer's fields, in a block of its batch pool
-        (reused once no array of it is alive: no fresh pages to fault in)."""
+        (reused once no array of it is alive: no fresh pages to fault in);
+        object fields' lists are copied, their objects shared."""
         self.check_process()
-        return self._core.copy_batch(list(arrays), len(arrays[0]))
+        return self._map.copied(leaves, self._core.copy_batch(self._map.for_copy(leaves), len(leaves[0])))
 
     @property
     def last_seqs(self) -> np.ndarray:
@@ -241,7 +311,10 @@ class ShuffleBuffer:
 
     Args:
         fields: ``(shape, dtype)`` for plain array examples, or a mapping
-            ``name -> (shape, dtype)`` for dict examples.
+            ``name -> (shape, dtype)`` for dict examples. A shape ``(None,
+            *rest)`` declares a ragged field (each example has its own number of
+            rows; batches give a :class:`~dataecho.Ragged`), and ``((), object)``
+            a field of Python objects (carried by reference; batches give a list).
         capacity: slots, i.e. the most examples resident at once.
         batch_size: examples per batch; at most ``capacity``.
         echo_factor: mean number of times each example is delivered, >= 1; or
@@ -256,6 +329,9 @@ class ShuffleBuffer:
             reservoir grows by one example per example delivered until full.
         max_echo: with ``echo_factor="auto"``, the most times an example is
             delivered on average (each gets ``floor(m)`` or ``floor(m) + 1``).
+        ragged_bytes: memory for the values of ragged fields of the examples in
+            the buffer (default: 1 KiB per slot). While it is full, a put waits
+            and batches are drawn from fewer resident examples.
 
     Raises:
         TypeError, ValueError: a bad argument, named in the message.
@@ -272,6 +348,7 @@ class ShuffleBuffer:
         prefetch: int = 2,
         initial: int | None = None,
         max_echo: float = 4.0,
+        ragged_bytes: int | None = None,
     ) -> None:
         self._fields, self._single = parse_fields(fields)
         capacity = _checks.positive_int("capacity", capacity, _core.MAX_CAPACITY)
@@ -289,6 +366,9 @@ class ShuffleBuffer:
             seed=_checks.seed(seed), drop_last=_checks.flag("drop_last", drop_last),
             prefetch=_checks.positive_int("prefetch", prefetch, 1 << 16), initial=initial or 0,
         )
+        if any(f.ragged for f in self._fields):
+            budget = capacity * 1024 if ragged_bytes is None else _checks.positive_int("ragged_bytes", ragged_bytes)
+            config.pages, config.page_bytes = page_heap(budget, budget / capacity)
         self._native = NativeBuffer(self._fields, config)
         self.capacity, self.batch_size, self.max_echo = capacity, batch_size, max_echo
         self.echo_factor: float | str = "auto" if auto_echo else echo
@@ -356,8 +436,14 @@ class ShuffleBuffer:
         rows = self._rows(examples)
         if rows == 0:
             return
-        arrays = self._arrays(examples, rows, "put_many()")
-        self._native.put_many_arrays(arrays, rows, _checks.timeout(timeout))
+        if all(f.kind == "array" for f in self._fields):
+            self._native.put_many_arrays(self._arrays(examples, rows, "put_many()"), rows, _checks.timeout(timeout))
+            return
+        values = [examples] if self._single else [examples[f.name] for f in self._fields]
+        columns = [_column(v, f, rows) for v, f in zip(values, self._fields)]
+        done = self._native.put_each(self._native.native_columns(columns), rows, timeout_s=_checks.timeout(timeout))
+        if done < rows:
+            raise _put_many_error(_TIMEOUT, done, rows, timeout)
 
     def close(self) -> None:
         """Ends the input: later puts raise BufferClosed, blocked ones are released,
@@ -426,9 +512,9 @@ class ShuffleBuffer:
 
     # ---- internals ----
 
-    def _arrays(self, example: Any, rows: int | None, where: str) -> list[np.ndarray]:
+    def _arrays(self, example: Any, rows: int | None, where: str) -> list[Any]:
         if self._single:
-            return [to_field_array(example, self._fields[0], rows, where)]
+            return [_value(example, self._fields[0], rows, where)]
         if not isinstance(example, Mapping):
             raise TypeError(f"{where}: expected a dict with fields {self._names}, got {type(example).__name__}")
         mismatch = key_mismatch(self._names, example)
@@ -436,9 +522,15 @@ class ShuffleBuffer:
             raise ValueError(
                 f"{where}: example fields do not match: missing {mismatch[0]}, unexpected {mismatch[1]}"
             )
-        return [to_field_array(example[f.name], f, rows, where) for f in self._fields]
+        return [_value(example[f.name], f, rows, where) for f in self._fields]
 
     def _rows(self, examples: Any) -> int:
+        if not self._single and isinstance(examples, Mapping) and self._names[0] in examples:
+            first = examples[self._names[0]]
+            if isinstance(first, (Ragged, list)) and self._fields[0].kind != "array":
+                return len(first)
+        elif isinstance(examples, (Ragged, list)) and self._fields[0].kind != "array":
+            return len(examples)
         first = examples if self._single else None
         if not self._single:
             if not isinstance(examples, Mapping):
@@ -456,6 +548,30 @@ class ShuffleBuffer:
         if len(shape) < 1:
             raise ValueError("put_many(): expected stacked arrays with a leading axis of examples")
         return int(shape[0])
+
+
+def _value(value: Any, field: Field, rows: int | None, where: str) -> Any:
+    """A field's value for a put: converted, or for an object field as it is."""
+    return value if field.kind == "object" else to_field_array(value, field, rows, where)
+
+
+def _column(value: Any, field: Field, rows: int) -> Any:
+    """``put_many``'s value of a field as a column of ``rows`` examples: stacked
+    arrays; for a ragged field a Ragged (as it is) or a list of arrays (each
+    converted); for an object field a list of objects."""
+    if field.kind == "array":
+        return to_field_array(value, field, rows, "put_many()")
+    if not isinstance(value, (Ragged, list)) or len(value) != rows:
+        what = "a Ragged or a list" if field.ragged else "a list"
+        raise TypeError(f"put_many(): {field.label()} expected {what} of {rows} examples, got "
+                        f"{type(value).__name__}{f' of {len(value)}' if isinstance(value, (Ragged, list)) else ''}")
+    if field.kind == "object":
+        return list(value)
+    if isinstance(value, Ragged):
+        array = to_field_array(value.values, Field(field.name, field.shape, field.dtype), len(value.values),
+                               "put_many()")
+        return array, np.ascontiguousarray(value.offsets, dtype=np.int64)
+    return [to_field_array(v, field, None, "put_many()") for v in value]
 
 
 def _put_many_error(status: Any, done: int, rows: int, timeout: float | None) -> Exception:

@@ -84,7 +84,7 @@ def build_chain(chain: Chain, config: LoaderConfig, structure: Structure, source
         config: the loader's configuration.
         structure: the examples' structure.
         source: this epoch's view of the source.
-        first: an example read to learn the structure (put first), or NOTHING.
+        first: the examples read to learn the structure (put first), or none.
         resume: the epoch's state from a checkpoint ({stage name: state}), or None.
         on_failure: stops the epoch; stage threads call it after recording an error.
     """
@@ -131,7 +131,7 @@ def _build(chain: Chain, config: LoaderConfig, structure: Structure, source: Epo
         queued = states.get("device", {}).get("in_flight", []) + states.get("final_replay", {}).get("queued", [])
         last = _add(chain, Replay("final_replay", last, queued, read_batch))
     if config.device is not None:
-        _add(chain, DeviceStage(last, config.device))
+        _add(chain, DeviceStage(last, config.device, config.padding))
 
 
 def _add(chain: Chain, stage: Stage) -> Stage:

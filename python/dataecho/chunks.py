@@ -28,10 +28,12 @@ import numpy as np
 
 from . import _core
 from .fields import Field, to_field_array
+from .ragged import Ragged
 from .stage import stop_iteration_error
 from .structure import Structure
 
-__all__ = ["CHUNK", "Columns", "chunked", "claimed", "map_reader", "rows_contiguous", "source_array", "tensor_arrays"]
+__all__ = ["CHUNK", "Columns", "chunked", "claimed", "map_reader", "ragged_hint", "rows_contiguous", "source_array",
+           "tensor_arrays"]
 
 CHUNK = 64  # positions claimed at a time
 SLICE_S = 0.01  # examples read one by one are put at least this often, however slow they are
@@ -42,33 +44,69 @@ Chunk = tuple[int, int, list]
 
 
 class Columns:
-    """Converts a list of examples to one column per leaf of ``structure``: a
-    list of the leaves as they are where they already match their field (no
-    copy), else converted as a single put converts them (same checks, same
-    messages).
+    """Converts a list of examples to the native columns of a buffer: one per
+    array or ragged leaf of ``structure``, a list of the leaves as they are
+    where they already match their field (no copy), else converted as a single
+    put converts them (same checks, same messages); then, where there are
+    object leaves, their carrier column (dataecho.objects).
 
     Args:
         structure: the examples' structure.
         fields: the buffer's fields, one per leaf.
+        codec: carries the object leaves (the buffer's, or a worker's); None
+            without object leaves.
     """
 
-    def __init__(self, structure: Structure, fields: list[Field]) -> None:
-        self.structure, self.fields = structure, fields
-        self._decls = [(f.shape, f.dtype) for f in fields]
+    def __init__(self, structure: Structure, fields: list[Field], codec: Any = None) -> None:
+        self.structure, self.fields, self._codec = structure, fields, codec
+        self._decls = [f.decl() if f.kind != "object" else None for f in fields]
+        self._objects = [i for i, f in enumerate(fields) if f.kind == "object"]
 
     def of(self, examples: list) -> list:
-        return [self._column(i, values) for i, values in enumerate(self.structure.columns(examples))]
+        return self.carry([self._column(i, values) for i, values in enumerate(self.structure.columns(examples))])
+
+    def carry(self, columns: list) -> list:
+        """Converted columns, one per leaf, as the buffer's native columns: the
+        object leaves' columns in one carrier column, last."""
+        if not self._objects:
+            return columns
+        carried = self._codec.encode(zip(*(columns[i] for i in self._objects)))
+        return [c for i, c in enumerate(columns) if i not in self._objects] + [carried]
 
     def _column(self, leaf: int, values: list) -> Any:
+        field = self.fields[leaf]
+        if field.kind == "object":
+            return values
         exact = _core.exact_rows(values, self._decls[leaf])
         if exact == len(values):
             return values
-        field = self.fields[leaf]
-        if exact == 0 and (stacked := _scalars(values, field)) is not None:
+        if exact == 0 and field.kind == "array" and (stacked := _scalars(values, field)) is not None:
             return stacked
-        return values[:exact] + [
-            to_field_array(self.structure.leaf(v, leaf), field, None, "put()") for v in values[exact:]
-        ]
+        return values[:exact] + [self.converted(v, leaf) for v in values[exact:]]
+
+    def converted(self, value: Any, leaf: int) -> np.ndarray:
+        """One leaf's value converted to its field, as a put converts it; a leaf
+        taken as fixed whose first axis changed says how to declare it ragged."""
+        field = self.fields[leaf]
+        value = self.structure.leaf(value, leaf)
+        try:
+            return to_field_array(value, field, None, "example")
+        except ValueError:
+            hint = ragged_hint(field, value)
+            if hint is None:
+                raise
+        raise ValueError(hint)
+
+
+def ragged_hint(field: Field, value: Any) -> str | None:
+    """The error for a leaf taken as fixed whose first axis has another length
+    here, or None when its shape differs otherwise."""
+    shape = np.shape(value) if isinstance(value, (np.ndarray, list)) else ()
+    if field.kind != "array" or len(shape) != len(field.shape) or not shape or shape[1:] != field.shape[1:]:
+        return None
+    return (f"example: leaf {field.name or 'example'!r} has shape {tuple(shape)} where the first examples had "
+            f"{field.shape}; a leaf whose length varies is ragged: declare it with "
+            f"EchoLoader(..., ragged=[{field.name or ''!r}])")
 
 
 def claimed(claim_range: Any, chunk: int, reader: Any, columns: Columns) -> Iterator[Chunk]:
@@ -264,17 +302,22 @@ class ArrayReader:
 class ArrowReader:
     """A Hugging Face ``datasets.Dataset`` read through its Arrow table: one
     ``take`` per chunk (which follows the dataset's own indices, after a
-    ``shuffle`` or ``select``), each column converted to one NumPy array."""
+    ``shuffle`` or ``select``), each column converted at once: numbers and
+    fixed-length lists to one NumPy array, variable-length lists (sequence
+    features: token ids) to packed values and offsets (a ragged leaf), strings
+    and bytes to a list (an object leaf)."""
 
     def __init__(self, dataset: Any, order: np.ndarray) -> None:
         self._view = dataset.with_format("arrow", columns=dataset.format.get("columns"))
         self._order = order
+        self._ragged = _varying(dataset, [f.name for f in self._view[:0].schema if _column_kind(f.type) == "ragged"])
 
     @staticmethod
     def reads(source: Any) -> bool:
-        """An Arrow-backed dataset whose columns are all numbers, or nested lists
-        of them, in a format that only turns its rows into arrays (no transform
-        of its own, such as ``with_transform``, no dtype or other option)."""
+        """An Arrow-backed dataset whose columns are numbers, lists of them (the
+        outermost of any length), strings or bytes, in a format that only turns
+        its rows into arrays (no transform of its own, such as
+        ``with_transform``, no dtype or other option)."""
         if not (type(source).__module__.startswith("datasets.") and hasattr(source, "with_format")
                 and hasattr(source, "features")):
             return False
@@ -282,13 +325,17 @@ class ArrowReader:
         if form.get("type") not in _PLAIN_FORMATS or form.get("output_all_columns") or any(
                 value is not None for value in (form.get("format_kwargs") or {}).values()):
             return False
-        import pyarrow as pa
-
         try:
             schema = source.with_format("arrow", columns=source.format.get("columns"))[:0].schema
         except Exception:  # not the Dataset this reader knows: read it example by example
             return False
-        return len(schema) > 0 and all(_numeric(field.type, pa) for field in schema)
+        kinds = [_column_kind(field.type) for field in schema]
+        return len(schema) > 0 and None not in kinds and any(kind != "object" for kind in kinds)
+
+    def ragged_columns(self) -> set[str]:
+        """The columns of lists whose lengths vary (anywhere in the table, not
+        only in the first rows): ragged leaves."""
+        return set(self._ragged)
 
     def one(self, position: int) -> dict[str, Any]:
         columns = self._read(np.asarray(self._order[position:position + 1]))
@@ -298,30 +345,83 @@ class ArrowReader:
         read = self._read(self._order[first:first + count])
         if list(read) != columns.structure.paths:
             raise ValueError(f"source: columns {list(read)} differ from the first example's {columns.structure.paths}")
-        yield first, count, [
-            to_field_array(array, field, count, "put()") for array, field in zip(read.values(), columns.fields)
-        ]
+        yield first, count, columns.carry([_converted(value, field, count)
+                                           for value, field in zip(read.values(), columns.fields)])
 
-    def _read(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+    def _read(self, indices: np.ndarray) -> dict[str, Any]:
         table = self._view[indices.tolist()]
-        return {name: _to_numpy(name, table.column(name), len(indices)) for name in table.column_names}
+        return {name: _from_arrow(name, table.column(name), len(indices), name in self._ragged)
+                for name in table.column_names}
 
 
 _PLAIN_FORMATS = (None, "python", "numpy", "np", "torch", "pt", "arrow", "pa")
 
 
-def _numeric(arrow_type: Any, pa: Any) -> bool:
-    while pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type) or pa.types.is_fixed_size_list(arrow_type):
-        arrow_type = arrow_type.value_type
-    return pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type) or pa.types.is_boolean(arrow_type)
-
-
-def _to_numpy(name: str, column: Any, rows: int) -> np.ndarray:
-    """An Arrow column of numbers or equal-length (nested) lists of them as one
-    array of ``rows`` rows."""
+def _column_kind(arrow_type: Any) -> str | None:
+    """"array" (numbers, fixed-length lists of them), "ragged" (a list of any
+    length of those), "object" (strings, bytes), or None (not read natively)."""
     import pyarrow as pa
 
-    array, shape = column.combine_chunks(), [rows]
+    if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type) or pa.types.is_binary(arrow_type) \
+            or pa.types.is_large_binary(arrow_type):
+        return "object"
+    kind = "array"
+    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
+        kind, arrow_type = "ragged", arrow_type.value_type
+    while pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type) or pa.types.is_fixed_size_list(arrow_type):
+        arrow_type = arrow_type.value_type
+    numeric = pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type) or pa.types.is_boolean(arrow_type)
+    return kind if numeric else None
+
+
+def _converted(value: Any, field: Field, rows: int) -> Any:
+    """A column read from Arrow, converted to its field as a put converts it."""
+    if field.kind == "object":
+        return value
+    if field.kind == "ragged":
+        if not isinstance(value, Ragged):
+            raise ValueError(f"source: column {field.name!r} changed from lists of any length to fixed rows")
+        rows_field = Field(field.name, field.shape, field.dtype)
+        return to_field_array(value.values, rows_field, len(value.values), "example"), value.offsets
+    return to_field_array(value, field, rows, "example")
+
+
+def _varying(dataset: Any, names: list[str]) -> set[str]:
+    """Which of the list columns ``names`` hold lists of different lengths, over
+    the whole table: the offsets alone are read, not the values."""
+    import pyarrow.compute as pc
+
+    varying = set()
+    for name in names:
+        lengths = pc.min_max(pc.list_value_length(dataset.data.column(name)))
+        if lengths["min"].as_py() != lengths["max"].as_py():
+            varying.add(name)
+    return varying
+
+
+def _from_arrow(name: str, column: Any, rows: int, ragged: bool) -> Any:
+    """An Arrow column as one array of ``rows`` rows, a Ragged (``ragged``: the
+    outermost lists, of any length), or a list (strings, bytes)."""
+    import pyarrow as pa
+
+    array = column.combine_chunks()
+    if _column_kind(array.type) == "object":
+        return array.to_pylist()
+    if not ragged:
+        return _to_numpy(name, array, [rows])
+    if array.null_count:
+        raise ValueError(f"source: column {name!r} holds missing values (None)")
+    offsets = array.offsets.to_numpy().astype(np.int64)
+    offsets -= offsets[0]  # a slice's offsets start where it does
+    values = _to_numpy(name, array.flatten(), [int(offsets[-1])])
+    return Ragged(values, offsets)
+
+
+def _to_numpy(name: str, array: Any, shape: list[int]) -> np.ndarray:
+    """An Arrow array of numbers or equal-length (nested) lists of them as one
+    array of shape ``shape`` (its rows) and the lists' lengths."""
+    import pyarrow as pa
+
     while not (pa.types.is_integer(array.type) or pa.types.is_floating(array.type) or pa.types.is_boolean(array.type)):
         if pa.types.is_fixed_size_list(array.type):
             width = array.type.list_size
@@ -329,7 +429,8 @@ def _to_numpy(name: str, column: Any, rows: int) -> np.ndarray:
             lengths = np.diff(array.offsets.to_numpy())
             if len(lengths) and (lengths != lengths[0]).any():
                 raise ValueError(f"source: column {name!r} holds lists of different lengths "
-                                 f"({lengths.min()} to {lengths.max()}); every example's leaf must have one shape")
+                                 f"({lengths.min()} to {lengths.max()}) below its first level; only a leaf's "
+                                 f"first axis may vary")
             width = int(lengths[0]) if len(lengths) else 0
         array = array.flatten()
         shape.append(width)

@@ -65,6 +65,9 @@ class LoaderConfig:
     timeout: float | None = None
     persistent_workers: bool = False
     auto_workers: bool = False  # workers=None with threads: one, more while reads wait (dataecho.producers)
+    ragged: frozenset[str] | None = None  # leaf paths declared ragged
+    ragged_bytes: int | None = None  # the page heap's budget (None: sized from the first examples)
+    padding: int | str | None = None  # None (packed), "longest" or a length
 
     @property
     def map_style(self) -> bool:
@@ -159,6 +162,9 @@ def loader_config(**arguments: Any) -> LoaderConfig:
         start_method=a["start_method"], deterministic=deterministic, shard=shard, sampler=sampler,
         collate_fn=a["collate_fn"], worker_init_fn=a["worker_init_fn"], timeout=a["timeout"],
         persistent_workers=a["persistent_workers"], auto_workers=auto_workers,
+        ragged=_check_ragged(a["ragged"]),
+        ragged_bytes=None if a["ragged_bytes"] is None else _checks.positive_int("ragged_bytes", a["ragged_bytes"]),
+        padding=_check_padding(a["padding"]),
     )
     if config.collate_fn is not None and config.device is not None:
         raise ValueError("collate_fn: its result is yielded as it is, so `device` cannot move it; "
@@ -234,6 +240,26 @@ def _check_shuffle_buffer(value: Any, batch_size: int, echo_at: str, augment: bo
             f"{held} batches, at most {_core.MAX_CAPACITY} examples), got {batch_size}"
         )
     return value
+
+
+def _check_ragged(value: Any) -> frozenset[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"ragged: expected leaf paths, such as ['input_ids', 'meta/boxes'], got {value!r}")
+    paths = list(value)
+    for path in paths:
+        if not isinstance(path, str):
+            raise TypeError(f"ragged: expected leaf paths (str: dict keys and positions joined by '/'), got {path!r}")
+    return frozenset(paths)
+
+
+def _check_padding(value: Any) -> int | str | None:
+    if value is None or value == "longest":
+        return value
+    if isinstance(value, str):
+        raise ValueError(f"padding: expected None, 'longest' or a length, got {value!r}")
+    return _checks.positive_int("padding", value)
 
 
 def _check_echo(value: Any, deterministic: bool, shard: Shard) -> float | str:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from typing import Any, Callable
 
 from .chain import JOIN_TIMEOUT_S, Chain, build_chain, checkpoint_mode
 from .config import LoaderConfig
-from .source import NOTHING, EpochSource
+from .source import EpochSource
+from .ragged import padded_leaves, row_of
 from .stage import Batch, weakly
 from .structure import Structure
 
@@ -60,10 +62,12 @@ class Epoch:
         skip = (resume or {}).get("intake", {}).get("skip", 0) if not config.map_style else 0
         source = EpochSource(config, epoch, skip, pool, memory)
         try:
-            first = NOTHING
+            first: list[Any] = []
             if structure is None:
                 first = source.first()
-                structure = None if first is NOTHING else Structure.infer(first)
+                declared = set(config.ragged or ()) | source.declared_ragged()
+                structure = None if not first else Structure.infer(first[0], first[1:], declared,
+                                                                   strict=config.augment is None)
             self.structure = structure
             if structure is not None:
                 build_chain(self._chain, config, structure, source, first, resume, weakly(self.abort))
@@ -133,16 +137,20 @@ class Epoch:
 
     def _output(self, batch: Batch) -> Any:
         wrap = None
-        if self._config.output == "torch" and self._config.device is None:
-            from .torch_support import to_torch
+        config = self._config
+        if config.output == "torch" and config.device is None:
+            from .torch_support import leaf_to_torch
 
-            wrap = to_torch
-        if self._config.collate_fn is not None:
+            wrap = leaf_to_torch
+        if config.collate_fn is not None:
             # Each example as views of its rows of the batch (no copy), in the batch's order.
-            examples = [batch.structure.unflatten([a[i, ...] for a in batch.arrays], wrap=wrap)
+            examples = [batch.structure.unflatten([row_of(a, i) for a in batch.arrays], wrap=wrap)
                         for i in range(len(batch))]
-            return self._config.collate_fn(examples)
-        return batch.structure.unflatten(batch.arrays, wrap=wrap)
+            return config.collate_fn(examples)
+        leaves = batch.arrays
+        if config.padding is not None and config.device is None:
+            leaves = padded_leaves(leaves, config.padding)
+        return batch.structure.unflatten(leaves, wrap=wrap)
 
     # ---- checkpoints and counters ----
 
@@ -170,6 +178,7 @@ class Epoch:
             "batches": self._batches,
             "wait_s": self._wait_s,
             "active_s": time.perf_counter() - self._started,
+            "memory": first.get("memory"),
         }
 
     def worker_counters(self) -> list[dict[str, float]]:
@@ -202,6 +211,11 @@ class Epoch:
             return
         self._closed = True
         self._state = state
+        if self._config.deterministic and any(s.counters().get("starved") for s in self._chain.stages):
+            warnings.warn("EchoLoader: the memory budget for ragged values ran out this epoch (producers waited "
+                          "for it), so some batches were drawn from fewer examples than planned and their order "
+                          "depended on timing, despite deterministic=True; raise ragged_bytes", RuntimeWarning,
+                          stacklevel=3)
         self.abort()
         for stage in reversed(self._chain.stages):
             stage.join(JOIN_TIMEOUT_S if wait else 0.0)

@@ -17,6 +17,11 @@ Casting rule (applied per field, before any copy):
 * The shape must match exactly; non-contiguous input is accepted and copied.
 * A subarray dtype such as ``("i4", (2,))`` declares its axes as trailing axes
   of the field, as in NumPy: the field has shape ``(*shape, 2)`` and dtype ``i4``.
+
+A field whose shape starts with ``None`` is ragged: each example has its own
+number of rows of the rest of the shape (``(None,)``: token ids; ``(None, 4)``:
+boxes), 0 included. A field of dtype ``object`` and shape ``()`` holds any
+Python object (a ``str``, ``bytes``, ``None``), carried by reference.
 """
 
 from __future__ import annotations
@@ -48,15 +53,31 @@ _MAX_DIMS = (64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32) - 1
 
 @dataclass(frozen=True)
 class Field:
-    """One named array of an example: ``shape`` excludes the batch axis."""
+    """One named value of an example: ``shape`` excludes the batch axis, and a
+    ragged field's varying first axis too.
+
+    Attributes:
+        kind: ``"array"`` (one shape), ``"ragged"`` (a first axis whose length
+            varies) or ``"object"`` (a Python object; ``shape`` is ``()``).
+    """
 
     name: str | None
     shape: tuple[int, ...]
     dtype: np.dtype
+    kind: str = "array"
+
+    @property
+    def ragged(self) -> bool:
+        return self.kind == "ragged"
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        """Bytes per example (per row of a ragged field; 0 for an object field)."""
+        return 0 if self.kind == "object" else math.prod(self.shape) * self.dtype.itemsize
+
+    def decl(self) -> tuple[tuple[int, ...], np.dtype]:
+        """The native declaration of an array or ragged field (-1 first: ragged)."""
+        return ((-1, *self.shape) if self.ragged else self.shape), self.dtype
 
     def label(self) -> str:
         return "example" if self.name is None else f"field {self.name!r}"
@@ -67,7 +88,8 @@ def parse_fields(fields: Any) -> tuple[list[Field], bool]:
 
     Args:
         fields: a ``(shape, dtype)`` pair for plain array examples, or a mapping
-            from field name to ``(shape, dtype)``.
+            from field name to ``(shape, dtype)``; a shape starting with None
+            declares a ragged field, and ``((), object)`` an object field.
 
     Returns:
         The fields in declaration order, and whether examples are plain arrays.
@@ -91,13 +113,17 @@ def _parse_one(name: str | None, spec: Any, where: str) -> Field:
     if not isinstance(spec, (tuple, list)) or len(spec) != 2:
         raise TypeError(f"{where}: expected a (shape, dtype) pair, got {spec!r}")
     shape_spec, dtype_spec = spec
-    shape = _parse_shape(shape_spec, where)
+    ragged = isinstance(shape_spec, (tuple, list)) and len(shape_spec) > 0 and shape_spec[0] is None
+    shape = _parse_shape(shape_spec[1:] if ragged else shape_spec, where)
     try:
         dtype = np.dtype(dtype_spec)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"{where}: {dtype_spec!r} is not a NumPy dtype ({exc})") from None
+    if dtype == np.dtype(object) and shape == () and not ragged:
+        return Field(name, (), dtype, "object")
     if dtype.hasobject:
-        raise TypeError(f"{where}: dtype {dtype} holds Python objects; expected a fixed-size dtype")
+        raise TypeError(f"{where}: dtype {dtype} holds Python objects; expected a fixed-size dtype (or ((), object) "
+                        f"for a field of Python objects)")
     while dtype.subdtype is not None:  # ("i4", (2,)): NumPy's trailing axes of int32
         dtype, inner = dtype.subdtype
         shape = _parse_shape(shape + inner, where)
@@ -108,7 +134,9 @@ def _parse_one(name: str | None, spec: Any, where: str) -> Field:
             f"{where}: expected at most {_MAX_DIMS} dimensions (a batch adds one to NumPy's limit of "
             f"{_MAX_DIMS + 1}), got {len(shape)}"
         )
-    field = Field(name, shape, dtype)
+    if ragged and len(shape) + 1 > _MAX_DIMS:
+        raise ValueError(f"{where}: expected at most {_MAX_DIMS} dimensions, got {len(shape) + 1}")
+    field = Field(name, shape, dtype, "ragged" if ragged else "array")
     if field.nbytes > _MAX_EXAMPLE_BYTES:
         raise ValueError(f"{where}: {field.nbytes} bytes per example is more than the limit of 1 TiB")
     return field
@@ -138,8 +166,9 @@ def to_field_array(value: Any, field: Field, rows: int | None, where: str) -> np
 
     Args:
         value: the value given for the field.
-        field: its declaration.
-        rows: None for one example; n for n stacked examples (leading axis n).
+        field: its declaration (an array or ragged field).
+        rows: None for one example; n for n stacked examples (leading axis n;
+            not for a ragged field).
         where: the call, for messages (``"put()"``).
 
     Returns:
@@ -151,6 +180,10 @@ def to_field_array(value: Any, field: Field, rows: int | None, where: str) -> np
         OverflowError: a Python number out of the field's range.
     """
     shape = field.shape if rows is None else (rows, *field.shape)
+    if field.ragged:
+        shape = (_rows_of(value), *field.shape)
+        if shape[0] == 0 and np.size(value) == 0 and np.ndim(value) in (1, len(shape)):
+            return np.zeros(shape, dtype=field.dtype)  # no rows: no values to cast ([] reads as float64)
     if type(value) is np.ndarray:
         array = value
     else:
@@ -178,6 +211,16 @@ def to_field_array(value: Any, field: Field, rows: int | None, where: str) -> np
     if array.dtype == field.dtype and array.flags.c_contiguous:
         return array
     return np.ascontiguousarray(array, dtype=field.dtype)
+
+
+def _rows_of(value: Any) -> int:
+    """The length of a ragged field's value along its first axis (-1 when it has
+    none: the shape check then says what was expected)."""
+    try:
+        shape = np.shape(value) if not isinstance(value, list) or value else (0,)
+    except (TypeError, ValueError):  # nested lists of different lengths
+        return len(value) if isinstance(value, (list, tuple)) else -1
+    return shape[0] if shape else -1
 
 
 def _python_numbers(value: Any) -> tuple[tuple[int, ...], list, str] | None:

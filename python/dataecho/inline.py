@@ -32,11 +32,14 @@ class InlineReader:
         structure: checks and flattens each example.
         source: this epoch's view of the source.
         first_seq: iterable sources: the number of the first example read.
+        ready: iterable sources: examples already read and transformed, to put
+            first (numbered from ``first_seq``).
     """
 
-    def __init__(self, buffer: NativeBuffer, structure: Structure, source: EpochSource, first_seq: int = 0) -> None:
+    def __init__(self, buffer: NativeBuffer, structure: Structure, source: EpochSource, first_seq: int = 0,
+                 ready: list | None = None) -> None:
         self._buffer, self._structure, self._source = buffer, structure, source
-        self._chunks = self._positions() if source.order is not None else self._iterated(first_seq)
+        self._chunks = self._positions() if source.order is not None else self._iterated(first_seq, ready or [])
         self._pending: Chunk | None = None  # read, not yet all taken by a full buffer
         self._done = 0  # rows of the pending chunk put so far
         self._exhausted = False
@@ -70,12 +73,14 @@ class InlineReader:
         return [{"produced": self._produced, "busy_s": self._busy_s}]
 
     def _positions(self) -> Iterator[Chunk]:
-        columns = Columns(self._structure, self._buffer.fields)
+        columns = Columns(self._structure, self._buffer.fields, self._buffer.codec)
         return claimed(self._buffer.claim_range, self._source.config.chunk, self._source.reader, columns)
 
-    def _iterated(self, first_seq: int) -> Iterator[Chunk]:
-        source, columns = self._source, Columns(self._structure, self._buffer.fields)
-        for seq, examples in chunked(source.iterator, first_seq):
+    def _iterated(self, first_seq: int, ready: list) -> Iterator[Chunk]:
+        source, columns = self._source, Columns(self._structure, self._buffer.fields, self._buffer.codec)
+        if ready:
+            yield first_seq, len(ready), columns.of(ready)
+        for seq, examples in chunked(source.iterator, first_seq + len(ready)):
             yield seq, len(examples), columns.of([source.transformed(e) for e in examples])
 
     # the stage protocol's producer side: nothing runs on its own

@@ -14,13 +14,12 @@ from typing import Any, Callable
 import numpy as np
 
 from . import _core
-from .buffer import NativeBuffer, buffer_config
+from .buffer import NativeBuffer, buffer_config, ragged_heap
 from .config import DEFAULT_EXAMPLES, LoaderConfig
-from .fields import parse_fields
 from .inline import INLINE_WAIT_S, InlineReader
 from .process_producers import PROCESS_GRACE_S, ProcessProducers
 from .producers import Producers
-from .source import NOTHING, EpochSource
+from .source import EpochSource
 from .stage import Batch, Failure
 from .structure import Structure
 
@@ -36,8 +35,8 @@ class IntakeStage:
         config: the loader's configuration.
         source: this epoch's view of the source.
         structure: the examples' structure.
-        first: an example already read (transformed) to learn the structure, or
-            NOTHING; it is put first, numbered 0.
+        first: the examples read (transformed) to learn the structure, or none;
+            they are put first, numbered 0, 1, ...
         failure, on_failure: where a producer's exception goes, and what stops the epoch.
         resume: this stage's state from a checkpoint, or None.
         pinned_batches: page-locked batch blocks to give the echo buffer (0: none).
@@ -45,7 +44,7 @@ class IntakeStage:
 
     name = "intake"
 
-    def __init__(self, config: LoaderConfig, source: EpochSource, structure: Structure, first: Any,
+    def __init__(self, config: LoaderConfig, source: EpochSource, structure: Structure, first: list[Any],
                  failure: Failure, on_failure: Callable[[], None], resume: dict[str, Any] | None = None,
                  pinned_batches: int = 0) -> None:
         self._config, self._source, self.structure = config, source, structure
@@ -56,9 +55,10 @@ class IntakeStage:
         self._producers: Producers | ProcessProducers | InlineReader | None = None
         if resume is not None and resume.get("ended"):
             return  # nothing more to assemble: only the queued batches, replayed downstream
-        self._buffer = NativeBuffer(parse_fields(structure.fields())[0], self._buffer_config(),
+        objects = "pickle" if config.worker_type == "process" else "key"
+        self._buffer = NativeBuffer(structure.fields(), self._buffer_config(objects),
                                     _restore_snapshot(resume) if self._exact and resume else None,
-                                    source.memory if config.worker_type == "thread" else None)
+                                    source.memory if config.worker_type == "thread" else None, objects)
         try:
             if pinned_batches:
                 from .torch_support import pin_batch_memory
@@ -70,15 +70,16 @@ class IntakeStage:
             self.join(0.0)
             raise
 
-    def _buffer_config(self) -> _core.BufferConfig:
+    def _buffer_config(self, objects: str) -> _core.BufferConfig:
         config = self._config
         per_example = config.echo_at == "example"
         auto = per_example and config.echo_factor == "auto"
         capacity = config.shuffle_buffer if per_example else max(2 * config.batch_size, DEFAULT_EXAMPLES)
         if config.map_style:  # no more slots than the epoch has examples (with room for the reorder window)
             capacity = min(capacity, max(len(self._source), 2 * config.batch_size))
+        pages, page_bytes = ragged_heap(self.structure, capacity, config.ragged_bytes, objects)
         return buffer_config(
-            capacity=capacity,
+            capacity=capacity, pages=pages, page_bytes=page_bytes,
             batch_size=config.batch_size, echo_factor=float(config.echo_factor) if per_example and not auto else 1.0,
             auto_echo=auto, max_echo=config.max_echo, seed=self._source.seeds[2],
             # With augment, its output buffer decides what a short last batch means.
@@ -90,29 +91,44 @@ class IntakeStage:
             exact_echo=config.exact_echo and per_example, in_order=config.in_order,
         )
 
-    def _start(self, first: Any, resume: dict[str, Any] | None, failure: Failure,
+    def _start(self, first: list[Any], resume: dict[str, Any] | None, failure: Failure,
                on_failure: Callable[[], None]) -> None:
         config, buffer, source = self._config, self._buffer, self._source
-        start = 0 if first is NOTHING else 1
+        if (config.map_style and resume is not None) or not (config.map_style or config.worker_type == "thread"):
+            first = []  # they only told the structure (the order resumes; worker processes read their own shards)
+        # The first examples go in while they fit at once: this thread must not
+        # wait on a buffer whose batches nobody takes yet. The rest are put by
+        # the producers, who read the positions after them (map-style) or take
+        # them before the iterator's next (iterables).
+        start = self._put_first(first)
         if config.map_style:
             if resume is not None:
-                first, start = NOTHING, resume["next_seq"]  # the first example only told the structure
+                start = resume["next_seq"]
             # Positions of the order are claimed by producers (threads or
             # processes) from a counter in the buffer's region; a position is
             # also the example's sequence number for deterministic intake.
             buffer.set_index_range(start, len(source))
             if resume is not None:
                 self._put_resident(resume["positions"])
-        if first is not NOTHING and (config.map_style or config.worker_type == "thread"):
-            buffer.put_values(self.structure.flatten(first), seq=0)
+        ready = [] if config.map_style else first[start:]
         if config.workers == 0:
-            self._producers = InlineReader(buffer, self.structure, source, first_seq=start)
+            self._producers = InlineReader(buffer, self.structure, source, first_seq=start, ready=ready)
         elif config.worker_type == "process":
             self._producers = ProcessProducers(buffer, self.structure, source, config, failure, on_failure,
                                                source.pool)
         else:
             self._producers = Producers(buffer, self.structure, source, config, failure, on_failure)
-            self._producers.start(first_seq=start)
+            self._producers.start(first_seq=start, ready=ready)
+
+    def _put_first(self, first: list[Any]) -> int:
+        """Puts the first examples, numbered from 0, until one does not go in at
+        once; returns how many went in."""
+        for seq, example in enumerate(first):
+            try:
+                self._buffer.put_values(self.structure.flatten(example), timeout_s=0.0, seq=seq)
+            except TimeoutError:
+                return seq
+        return len(first)
 
     def _put_resident(self, positions: np.ndarray) -> None:
         """Resume: reads the resident examples again and puts them with their
@@ -201,8 +217,16 @@ class IntakeStage:
         return state
 
     def counters(self) -> dict[str, Any]:
+        buffer = self._buffer
+        stats = buffer.stats() if buffer is not None else {"fresh": 0, "starved": 0, "resident": 0, "pages": 0,
+                                                            "pages_in_use": 0, "free_slots": 0}
+        page = buffer.page_bytes if buffer is not None else 0
         return {
-            "fresh": self._buffer.stats()["fresh"] if self._buffer is not None else 0,
+            "fresh": stats["fresh"],
+            "starved": stats["starved"],
+            "memory": {"resident": stats["resident"], "held": buffer.capacity - stats["free_slots"] if buffer else 0,
+                       "slot_bytes": buffer.slot_bytes if buffer is not None else 0,
+                       "ragged_bytes_in_use": stats["pages_in_use"] * page, "ragged_bytes": stats["pages"] * page},
             "workers": self._producers.counters() if self._producers is not None else [],
         }
 

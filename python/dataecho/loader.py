@@ -69,13 +69,10 @@ class EchoLoader:
         transform: per-example function run by the producers, before the echo
             stage (read, decode, ...).
         augment: per-example function run after the echo stage, by worker
-            threads: every repeat is augmented anew. It may change the
-            example's structure, shapes or dtypes. If it accepts a keyword
-            argument ``rng``, it is called as ``augment(example, rng=...)`` with
-            a ``numpy.random.Generator`` derived from (seed, epoch, rank, the
-            delivery's number in the epoch): draw its randomness from it, and
-            with ``deterministic=True`` the augmented batches are a function of
-            the seed alone, and resumable mid-epoch.
+            threads: every repeat is augmented anew; it may change the example.
+            One that accepts ``rng`` is called as ``augment(example, rng=...)``
+            with a ``numpy.random.Generator`` keyed by (seed, epoch, rank,
+            delivery): its batches are then a function of the seed, resumable.
         shuffle_buffer: examples resident in the echo buffer (default 4096); with
             ``echo_at="batch"``, batches resident in the batch buffer (default 16).
         workers: (DataLoader's ``num_workers``) producer threads or processes (and
@@ -83,46 +80,45 @@ class EchoLoader:
             (dataecho.producers), 2 processes. 0 reads in the calling thread.
         shuffle: map-style sources: a new random order every epoch (default
             True, False with a ``sampler``). With False the reading order is the
-            dataset's (or the sampler's), and at ``echo_factor=1`` the batches
-            follow it exactly, as DataLoader's; with echo > 1 the echo buffer
-            still mixes what it holds, to spread the repeats apart.
+            dataset's (or the sampler's), which batches follow exactly at
+            ``echo_factor=1``; with more, the echo buffer spreads repeats apart.
         seed: seeds the order, the shuffle, the echo draws and ``augment``'s
             generators; None draws one.
         drop_last: drop the last batch of an epoch if it is short.
         prefetch: batches assembled ahead of the consumer (default 2; or
             DataLoader's ``prefetch_factor`` times ``workers``).
         max_echo: cap on deliveries per example (batch) when echo_factor="auto".
-        output: ``"numpy"`` or ``"torch"`` (tensors that share the batch memory).
-            A leaf of a torch dtype NumPy lacks (``bfloat16``, ``float8_*``) is
-            a tensor of its dtype over the batch memory with either output.
+        output: ``"numpy"`` or ``"torch"`` (tensors that share the batch memory;
+            a leaf of a dtype NumPy lacks, ``bfloat16``, is a tensor with either).
         pin_memory: batch memory is page-locked, allocated once; without CUDA
             a warning, and unpinned memory (as DataLoader).
         device: a torch device; each batch is copied there on a side stream,
             one batch ahead, so the copy overlaps the training step.
         worker_type: ``"thread"`` or ``"process"``: producer processes for a
-            CPU-bound Python ``source``/``transform`` (the GIL would serialize
-            threads). They write examples straight into the echo buffer's slots in
-            shared memory. ``source`` and ``transform`` must be picklable; an
-            iterable source is iterated by every worker, which should read its own
-            shard using ``dataecho.get_worker_info()`` or torch's
-            ``get_worker_info()``, as under DataLoader. Started per epoch, or
-            once with DataLoader's ``persistent_workers=True``.
+            CPU-bound Python ``source``/``transform``, writing examples straight
+            into the echo buffer in shared memory. ``source`` and ``transform``
+            must pickle; every worker iterates an iterable source, reading its
+            shard by ``dataecho.get_worker_info()`` or torch's, as under
+            DataLoader. Started per epoch, or once (``persistent_workers=True``).
         start_method: for processes: ``"forkserver"`` (default where available)
-            or ``"spawn"``; ``"fork"`` is refused, as forking a process that runs
-            native threads is unsafe.
+            or ``"spawn"``; ``"fork"`` is refused (unsafe with native threads).
         deterministic: the batches are a function of (seed, epoch, rank,
-            world_size) alone, whatever the number or kind of workers and their
-            timing: examples enter the echo buffer in reading order (through a
-            reorder window of ``batch_size``), and fractional echo counts follow
-            the example's position. Not with ``echo_factor="auto"``. An
-            ``augment`` without ``rng`` stays as random as it is.
-        rank, world_size: this process's part of a data-parallel job; by default
-            taken from ``torch.distributed`` when it is initialized. Each rank
-            reads a disjoint shard of a map-style dataset, of equal size (padded
-            by repeating indices, or cut with ``drop_last``, as torch's
-            ``DistributedSampler`` does), and yields the same number of batches;
-            shuffling and echoing are local to each rank, seeded differently. The
-            ``seed`` must be the same on every rank (None means 0 then).
+            world_size) alone, whatever the workers and their timing: examples
+            enter the echo buffer in reading order (a reorder window of
+            ``batch_size``), fractional echo counts follow their position. Not
+            with ``echo_factor="auto"``; ``augment`` without ``rng`` stays random.
+        ragged, ragged_bytes, padding: leaves whose first axis varies in length
+            (declared by path, ``["input_ids", "meta/boxes"]``, or inferred from
+            the first examples and Hugging Face sequence features) come as a
+            :class:`dataecho.Ragged`, or a jagged nested tensor with torch, whose
+            values take at most ``ragged_bytes`` in the echo buffer; with
+            ``padding`` (``"longest"`` or a length) as :class:`dataecho.Padded`.
+            Leaves that are not arrays (a ``str``, ``None``) come as lists.
+        rank, world_size: this process's part of a data-parallel job (default:
+            from ``torch.distributed``). Each rank reads a disjoint shard of a
+            map-style dataset, of equal size (as ``DistributedSampler``), and
+            yields as many batches; shuffling and echoing are local to the rank.
+            The ``seed`` must be the same on every rank (None means 0 then).
 
     DataLoader's other keywords (``sampler``, ``collate_fn``, ...) keep their
     meaning (see dataecho.dataloader_args). The arguments can be read back as
@@ -159,6 +155,9 @@ class EchoLoader:
         rank: int | None = None,
         world_size: int | None = None,
         *,
+        ragged: Any = None,
+        ragged_bytes: int | None = None,
+        padding: int | str | None = None,
         dataset: Any = None,
         num_workers: int | None = None,
         sampler: Any = None,

@@ -70,32 +70,40 @@ class Producers:
 
     # ---- starting ----
 
-    def start(self, first_seq: int = 0) -> None:
+    def start(self, first_seq: int = 0, ready: list | None = None) -> None:
         """Starts reading: positions the buffer hands out (map-style), or the
-        iterator's examples numbered from ``first_seq``."""
+        iterator's examples numbered from ``first_seq``, after ``ready``
+        (examples already read and transformed, numbered first)."""
         if self._source.order is not None:
             self.start_map()
         else:
-            self.start_iterable(self._source.iterator, first_seq)
+            self.start_iterable(self._source.iterator, first_seq, ready or [])
 
     def start_map(self) -> None:
         """Reads the positions of the order that the buffer's claim counter
         hands out (set by the caller), a chunk at a time, on every worker; a
         position is also the example's sequence number."""
-        self._columns = Columns(self._structure, self._buffer.fields)
+        self._columns = Columns(self._structure, self._buffer.fields, self._buffer.codec)
         self._growth = _Growth(self._auto_limit)
         self._spawn([self._read_map] * self._workers)
 
-    def start_iterable(self, iterator: Iterator[Any], first_seq: int = 0) -> None:
+    def start_iterable(self, iterator: Iterator[Any], first_seq: int = 0, ready: list | None = None) -> None:
         """Reads ``iterator`` on one thread, in chunks (dataecho.chunks.chunked);
         transforms on ``workers`` threads. Examples are numbered in reading order
-        from ``first_seq``."""
-        chunks = chunked(iterator, first_seq)
-        columns = Columns(self._structure, self._buffer.fields)
+        from ``first_seq``, ``ready`` ones (read and transformed) first."""
+        ready = ready or []
+        chunks = chunked(iterator, first_seq + len(ready))
+        columns = Columns(self._structure, self._buffer.fields, self._buffer.codec)
+
+        def put_ready() -> None:
+            if ready:
+                self._buffer.put_each(columns.of(ready), len(ready), first_seq)
+
         if self._transform is None:
 
             def read() -> None:
                 counter = self._counters.setdefault(threading.current_thread(), [0, 0.0])
+                put_ready()
                 started = time.perf_counter()
                 for seq, examples in chunks:
                     counter[1] += time.perf_counter() - started
@@ -111,6 +119,7 @@ class Producers:
 
         def read_and_hand_off() -> None:
             try:
+                put_ready()
                 for item in chunks:
                     if not self._offer(handoff, item):
                         return

@@ -17,14 +17,16 @@ import numpy as np
 
 from .chunks import map_reader
 from .config import LoaderConfig
-from .fields import parse_fields, to_field_array
+from .fields import to_field_array
 from .order import epoch_order
+from .ragged import stack_leaf
 from .stage import stop_iteration_error
 from .structure import Structure
 
 __all__ = ["EpochSource", "Pickled"]
 
 NOTHING = object()
+SAMPLE = 8  # examples read first, to learn the structure (which leaves vary in length)
 
 
 class EpochSource:
@@ -80,13 +82,17 @@ class EpochSource:
         """Positions in this epoch's order (map-style sources)."""
         return 0 if self.order is None else len(self.order)
 
-    def first(self) -> Any:
-        """The first example, transformed, or NOTHING for an empty epoch. Reads
-        position 0 of a map-style order, or takes the iterator's first example."""
+    def first(self) -> list[Any]:
+        """The first examples, transformed (up to SAMPLE; none for an empty
+        epoch): positions 0, 1, ... of a map-style order, or the iterator's first."""
         if self.order is not None:
-            return self.read(0) if len(self.order) else NOTHING
-        example = next(self.iterator, NOTHING)
-        return example if example is NOTHING else self.transformed(example)
+            return [self.read(position) for position in range(min(SAMPLE, len(self.order)))]
+        return [self.transformed(example) for example in itertools.islice(self.iterator, SAMPLE)]
+
+    def declared_ragged(self) -> set[str]:
+        """Leaves the source itself says vary in length: a Hugging Face dataset's
+        sequence features, where it is read through its Arrow table."""
+        return self.reader.ragged_columns() if hasattr(self.reader, "ragged_columns") else set()
 
     def read(self, position: int) -> Any:
         """The example at ``position`` of the order, transformed."""
@@ -105,13 +111,14 @@ class EpochSource:
         return stack(structure, [structure.flatten(self.read(int(p))) for p in rows])
 
 
-def stack(structure: Structure, examples: list[list]) -> tuple[np.ndarray, ...]:
-    """Flattened examples stacked into one array per leaf, converted to the
-    structure's fields as a put would."""
-    fields, _ = parse_fields(structure.fields())
+def stack(structure: Structure, examples: list[list]) -> tuple[Any, ...]:
+    """Flattened examples as one batch leaf per leaf (stacked arrays, packed
+    ragged rows, lists of objects), converted to the structure's fields as a
+    put would."""
     return tuple(
-        np.stack([to_field_array(leaves[i], f, None, "resume") for leaves in examples])
-        for i, f in enumerate(fields)
+        stack_leaf([leaves[i] if f.kind == "object" else to_field_array(leaves[i], f, None, "resume")
+                    for leaves in examples], f.kind, f.dtype, f.shape)
+        for i, f in enumerate(structure.fields())
     )
 
 

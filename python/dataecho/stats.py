@@ -67,8 +67,11 @@ class Totals:
             their read-ahead counts in fresh) and ``failed``;
             this_epoch: the same figures for the current epoch alone (or the
             last one, if none is running), with its ``epoch`` number and
-            ``state``: "running", "complete", "stopped" or "failed"; None
-            before the first;
+            ``state``: "running", "complete", "stopped" or "failed", and
+            ``memory``: the echo buffer's ``resident`` examples (``held``: in
+            its slots, on their way in too), ``slot_bytes`` per example, and the
+            bytes of ragged values held (``ragged_bytes_in_use``) out of its
+            budget (``ragged_bytes``); None before the first;
             workers: for that epoch, per producer thread or process: examples
             produced and seconds busy reading and transforming (and a worker
             process's ``pid``).
@@ -88,7 +91,7 @@ class Totals:
             workers = current.worker_counters()
         stats = {**_figures(sums), "epoch": epoch, "epochs": dict(self._ended),
                  "this_epoch": None if this is None else {"epoch": this["epoch"], "state": this["state"],
-                                                          **_figures(this)},
+                                                          **_figures(this), "memory": this.get("memory")},
                  "workers": workers}
         return flatten(stats, prefix) if flat else stats
 

@@ -1,10 +1,19 @@
 """The structure of an example: a tree of dicts, tuples and lists whose leaves
-are arrays, inferred from the first example and checked on every later one.
+are arrays, ragged arrays or Python objects, inferred from the first examples
+and checked on every later one.
 
 Leaves may be NumPy arrays or scalars, Python ``bool``/``int``/``float``, or
 torch CPU tensors. A batch has the same structure with each leaf stacked along a
 new leading axis. Leaves are named by their path (``"image"``, ``"0"``,
 ``"meta/label"``), which is how errors refer to them.
+
+A leaf whose first axis has different lengths in the first examples (token ids,
+a varying number of boxes), or a list of numbers whose length varies, is
+*ragged*: each example keeps its own length and a batch packs them
+(dataecho.ragged). So is a leaf whose path is declared ragged. A list of
+numbers of one length stays a list of leaves, as torch's default collate treats
+it. A leaf that is not an array (a ``str``, ``bytes``, ``None``, any object) is
+an *object* leaf: it rides along by reference and comes out as a list per batch.
 
 A tensor of a dtype NumPy lacks (``torch.bfloat16``, ``float8_*``,
 ``complex32``, ...) is a *raw* leaf: it is stored as its bytes, an unsigned
@@ -15,11 +24,14 @@ other leaves become. Every later example must have a tensor of that dtype there.
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
+from .fields import Field
+from .ragged import read_only_leaf
 from .torch_support import raw_bytes, raw_to_tensor
 
 __all__ = ["Structure", "key_mismatch", "read_only"]
@@ -63,7 +75,9 @@ def _raw_leaf(value: Any, dtype_name: str, path: str) -> np.ndarray:
 
 @dataclass(frozen=True)
 class _Node:
-    kind: str  # "leaf", "raw" (a leaf of a torch dtype NumPy lacks), "dict", "tuple", "list", "namedtuple"
+    # "leaf", "raw" (a leaf of a torch dtype NumPy lacks), "ragged", "object" (leaves);
+    # "dict", "tuple", "list", "namedtuple" (containers)
+    kind: str
     keys: tuple = ()  # dict keys, in first-seen order
     children: tuple = ()
     type_: type | None = None  # namedtuple class
@@ -71,72 +85,63 @@ class _Node:
 
 
 class Structure:
-    """A tree shape plus, for each leaf, its path, shape and dtype.
+    """A tree shape plus, for each leaf, its path, kind, shape and dtype.
 
     Attributes:
         paths: leaf paths, in flattening order.
-        specs: ``(shape, dtype)`` per leaf, from the example it was inferred from;
-            a raw leaf's dtype is the unsigned integer that stores its bytes.
+        specs: ``(shape, dtype)`` per leaf, from the examples it was inferred
+            from (a ragged leaf's shape without its first axis; an object
+            leaf's ``((), object)``); a raw leaf's dtype is the unsigned integer
+            that stores its bytes.
+        kinds: per leaf, ``"array"``, ``"ragged"`` or ``"object"``.
         torch_dtypes: per leaf, a raw leaf's torch dtype (``"torch.bfloat16"``),
             else None.
+        sample_bytes: per example it was inferred from, the bytes of its ragged
+            leaves' values and of its object leaves pickled: what sizes the
+            page heap (dataecho.buffer.page_heap).
     """
 
     def __init__(self, root: _Node, paths: list[str], specs: list[tuple[tuple[int, ...], np.dtype]],
-                 torch_dtypes: list[str | None] | None = None):
+                 torch_dtypes: list[str | None] | None = None, kinds: list[str] | None = None):
         self._root = root
         self.paths = paths
         self.specs = specs
         self.torch_dtypes = torch_dtypes or [None] * len(paths)
+        self.kinds = kinds or ["array"] * len(paths)
+        self.sample_bytes: dict[str, list[int]] = {"ragged": [], "object": []}
         self._has_raw = any(name is not None for name in self.torch_dtypes)
-        self._leaf_nodes = [_Node("leaf") if name is None else _Node("raw", torch_dtype=name)
-                            for name in self.torch_dtypes]
+        self._leaf_nodes = [_Node("raw", torch_dtype=name) if name is not None
+                            else _Node("leaf" if kind == "array" else kind)
+                            for name, kind in zip(self.torch_dtypes, self.kinds)]
 
     @classmethod
-    def infer(cls, example: Any) -> Structure:
-        """Infers the structure of ``example``.
+    def infer(cls, example: Any, others: Sequence[Any] = (), ragged: Collection[str] | None = None,
+              strict: bool = True) -> Structure:
+        """Infers the structure of ``example`` and, where given, of the examples
+        after it (leaves whose first axis varies among them are ragged).
+
+        Args:
+            example: the first example.
+            others: more examples of the same source, to tell ragged leaves.
+            ragged: paths of leaves declared ragged, whatever the examples show.
+            strict: a declared path that is not a leaf here raises (else it is
+                left for another structure: ``augment``'s output).
 
         Raises:
-            TypeError: a leaf is neither an array, a number nor a CPU tensor, is
-                a tensor that cannot be stored (quantized, sparse), or a dict
-                key is not a str.
+            TypeError: a tensor that cannot be stored (quantized, sparse), a dict
+                key that is not a str, or examples whose trees differ.
+            ValueError: a declared ragged path that is not a leaf with a first
+                axis, or a leaf whose shapes differ other than in the first axis.
         """
-        paths: list[str] = []
-        specs: list[tuple[tuple[int, ...], np.dtype]] = []
-        torch_dtypes: list[str | None] = []
-
-        def visit(value: Any, path: str) -> _Node:
-            if isinstance(value, Mapping):
-                keys = tuple(value)
-                for key in keys:
-                    if not isinstance(key, str):
-                        raise TypeError(f"example: dict keys must be str, got {key!r} at {path or 'the top'!r}")
-                return _Node("dict", keys, tuple(visit(value[k], _join(path, k)) for k in keys))
-            if isinstance(value, tuple) and hasattr(value, "_fields"):
-                children = tuple(visit(v, _join(path, f)) for f, v in zip(value._fields, value))
-                return _Node("namedtuple", tuple(value._fields), children, type(value))
-            if isinstance(value, (tuple, list)):
-                kind = "tuple" if isinstance(value, tuple) else "list"
-                return _Node(kind, (), tuple(visit(v, _join(path, str(i))) for i, v in enumerate(value)))
-            array, torch_dtype = _first_leaf(value, path or "example")
-            if array.dtype.hasobject:
-                raise TypeError(f"example: leaf {path or 'example'!r} holds Python objects ({array.dtype})")
-            paths.append(path)
-            specs.append((array.shape, array.dtype))
-            torch_dtypes.append(torch_dtype)
-            return _Node("leaf") if torch_dtype is None else _Node("raw", torch_dtype=torch_dtype)
-
-        root = visit(example, "")
-        if not paths:
-            raise TypeError("example: it holds no arrays")
-        return cls(root, paths, specs, torch_dtypes)
+        return _Inference(ragged, strict).run(cls, [example, *others])
 
     @property
     def single(self) -> bool:
-        """True when the example is one array (no dict, tuple or list around it)."""
-        return self._root.kind in ("leaf", "raw")
+        """True when the example is one leaf (no dict, tuple or list around it)."""
+        return self._root.kind in _LEAVES
 
-    def fields(self) -> Any:
-        """The ShuffleBuffer ``fields`` declaration for this structure.
+    def fields(self) -> list[Field]:
+        """One buffer field per leaf, named by its path.
 
         Zero-sized dimensions are not allowed in a buffer; such a leaf is reported
         with its path.
@@ -144,9 +149,8 @@ class Structure:
         for path, (shape, _) in zip(self.paths, self.specs):
             if 0 in shape:
                 raise ValueError(f"example: leaf {path or 'example'!r} has an empty dimension {shape}")
-        if self.single:
-            return self.specs[0]
-        return {path: spec for path, spec in zip(self.paths, self.specs)}
+        return [Field(path or None, shape, dtype, kind)
+                for path, (shape, dtype), kind in zip(self.paths, self.specs, self.kinds)]
 
     def flatten(self, example: Any) -> list[Any]:
         """The leaves of ``example`` in order, after checking its tree shape.
@@ -211,14 +215,10 @@ def key_mismatch(expected: Sequence[str], mapping: Mapping) -> tuple[list, list]
     return [k for k in expected if k not in mapping], [k for k in mapping if k not in expected]
 
 
-def read_only(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
-    """Read-only views of ``arrays`` (no copy): for memory that others will read again."""
-    views = []
-    for array in arrays:
-        view = array.view()
-        view.flags.writeable = False
-        views.append(view)
-    return tuple(views)
+def read_only(leaves: Sequence[Any]) -> tuple[Any, ...]:
+    """Read-only views of a batch's leaves (no copy; a list of objects is a new
+    list of the same objects): for memory that others will read again."""
+    return tuple(read_only_leaf(leaf) for leaf in leaves)
 
 
 def _first_leaf(value: Any, path: str) -> tuple[np.ndarray, str | None]:
@@ -238,6 +238,12 @@ def _join(path: str, key: str) -> str:
 
 def _flatten(node: _Node, value: Any, path: str, out: list[Any]) -> None:
     where = path or "the top"
+    if node.kind == "object":
+        out.append(value)
+        return
+    if node.kind == "ragged":
+        out.append(as_leaf_array(value, path or "example") if _is_torch_tensor(value) else value)
+        return
     if node.kind == "leaf":
         if isinstance(value, (Mapping, list)) or (isinstance(value, tuple)):
             raise TypeError(f"example: expected an array at {where!r}, got a {type(value).__name__}")
@@ -258,8 +264,12 @@ def _flatten(node: _Node, value: Any, path: str, out: list[Any]) -> None:
     expected = {"tuple": tuple, "list": list, "namedtuple": tuple}[node.kind]
     if not isinstance(value, expected) or len(value) != len(node.children):
         got = f"a {type(value).__name__}" + (f" of length {len(value)}" if isinstance(value, (tuple, list)) else "")
+        hint = ""
+        if node.kind == "list" and isinstance(value, list):
+            hint = (f"; a list whose length varies is a ragged leaf: declare it with "
+                    f"EchoLoader(..., ragged=[{path!r}])")
         raise TypeError(
-            f"example: expected a {node.kind} of length {len(node.children)} at {where!r}, got {got}"
+            f"example: expected a {node.kind} of length {len(node.children)} at {where!r}, got {got}{hint}"
         )
     names = node.keys if node.kind == "namedtuple" else [str(i) for i in range(len(node.children))]
     for name, child, item in zip(names, node.children, value):
@@ -271,12 +281,13 @@ class _Mismatch(Exception):
 
 
 _CONTAINERS = {"tuple": tuple, "list": list}
+_LEAVES = ("leaf", "raw", "ragged", "object")
 
 
 def _columns(node: _Node, values: list, out: list[list]) -> None:
     """``Structure.columns`` for examples of exactly the node's container types
     (dict, tuple, list, the namedtuple class); anything else raises _Mismatch."""
-    if node.kind in ("leaf", "raw"):
+    if node.kind in _LEAVES:
         out.append(values)
         return
     width = len(node.children)
@@ -299,7 +310,7 @@ def _columns(node: _Node, values: list, out: list[list]) -> None:
 
 
 def _build(node: _Node, leaves: Any) -> Any:
-    if node.kind == "leaf" or node.kind == "raw":
+    if node.kind in _LEAVES:
         return next(leaves)
     if node.kind == "dict":
         return {key: _build(child, leaves) for key, child in zip(node.keys, node.children)}
@@ -307,3 +318,132 @@ def _build(node: _Node, leaves: Any) -> Any:
     if node.kind == "namedtuple":
         return node.type_(*items)
     return tuple(items) if node.kind == "tuple" else items
+
+
+_NUMBERS = (bool, int, float, complex, np.generic)
+
+
+class _Inference:
+    """Infers a structure from the first examples, column by column (see
+    Structure.infer): every path is looked at in all of them at once."""
+
+    def __init__(self, ragged: Collection[str] | None, strict: bool = True) -> None:
+        self.strict = strict
+        if isinstance(ragged, str) or (ragged is not None and not isinstance(ragged, Collection)):
+            raise TypeError(f"ragged: expected a collection of leaf paths (['input_ids', 'meta/boxes']), got {ragged!r}")
+        self.declared = set(ragged or ())
+        for path in self.declared:
+            if not isinstance(path, str):
+                raise TypeError(f"ragged: leaf paths are str ('input_ids', 'meta/boxes', '0'), got {path!r}")
+        self.paths: list[str] = []
+        self.specs: list[tuple[tuple[int, ...], np.dtype]] = []
+        self.torch_dtypes: list[str | None] = []
+        self.kinds: list[str] = []
+        self.sizes: dict[str, list[list[int]]] = {"ragged": [], "object": []}  # per leaf, per example
+
+    def run(self, cls: type, examples: list) -> Structure:
+        root = self.visit(examples, "")
+        missing = sorted(self.declared - {p for p, k in zip(self.paths, self.kinds) if k == "ragged"})
+        if missing and (self.strict or set(missing) & set(self.paths)):
+            raise ValueError(f"ragged: {missing} are not leaves of the example with a first axis; its leaves are "
+                             f"{[p or '' for p in self.paths]} (paths join dict keys and positions with '/')")
+        if all(kind == "object" for kind in self.kinds):
+            raise TypeError("example: it holds no arrays")
+        structure = cls(root, self.paths, self.specs, self.torch_dtypes, self.kinds)
+        structure.sample_bytes = {kind: [sum(column) for column in zip(*sizes)] if sizes else []
+                                  for kind, sizes in self.sizes.items()}
+        return structure
+
+    def visit(self, values: list, path: str) -> _Node:
+        first = values[0]
+        if isinstance(first, Mapping):
+            keys = tuple(first)
+            for key in keys:
+                if not isinstance(key, str):
+                    raise TypeError(f"example: dict keys must be str, got {key!r} at {path or 'the top'!r}")
+            for value in values[1:]:
+                mismatch = key_mismatch(keys, value) if isinstance(value, Mapping) else ([], [])
+                if mismatch is not None:
+                    raise TypeError(f"example: the first examples differ at {path or 'the top'!r}: {_kinds(values)}")
+            return _Node("dict", keys, tuple(self.visit([v[k] for v in values], _join(path, k)) for k in keys))
+        if isinstance(first, tuple) and hasattr(first, "_fields"):
+            self.same_length(values, path)
+            children = tuple(self.visit([v[i] for v in values], _join(path, f)) for i, f in enumerate(first._fields))
+            return _Node("namedtuple", tuple(first._fields), children, type(first))
+        if isinstance(first, tuple) or (isinstance(first, list) and not self.list_is_leaf(values, path)):
+            self.same_length(values, path)
+            kind = "tuple" if isinstance(first, tuple) else "list"
+            return _Node(kind, (), tuple(self.visit([v[i] for v in values], _join(path, str(i)))
+                                         for i in range(len(first))))
+        return self.leaf(values, path)
+
+    def list_is_leaf(self, values: list, path: str) -> bool:
+        """A list is one (ragged or object) leaf where it is declared ragged or
+        its length varies among the examples; else a list of leaves."""
+        return path in self.declared or len({len(v) if isinstance(v, list) else -1 for v in values}) > 1
+
+    def same_length(self, values: list, path: str) -> None:
+        if any(type(v) is not type(values[0]) or len(v) != len(values[0]) for v in values):
+            raise TypeError(f"example: the first examples differ at {path or 'the top'!r}: {_kinds(values)}")
+
+    def leaf(self, values: list, path: str) -> _Node:
+        name = path or "example"
+        arrays = [_array_of(v, name) for v in values]
+        if any(a is None for a in arrays):  # a str, bytes, None, another object: carried as it is
+            if path in self.declared:
+                raise ValueError(f"ragged: leaf {name!r} holds {_kinds(values)}, not arrays")
+            self.sizes["object"].append([len(_pickled(v)) for v in values])
+            return self.add(path, ((), np.dtype(object)), None, "object", _Node("object"))
+        if any(t is not None for _, t in arrays):
+            shapes = {a.shape for a, _ in arrays}
+            if path in self.declared or len(shapes) > 1:
+                raise ValueError(f"example: leaf {name!r} is a tensor of a dtype NumPy lacks ({arrays[0][1]}) "
+                                 f"whose length varies; ragged leaves need a NumPy dtype (convert it in transform)")
+            return self.add(path, (arrays[0][0].shape, arrays[0][0].dtype), arrays[0][1], "array",
+                            _Node("raw", torch_dtype=arrays[0][1]))
+        arrays = [a for a, _ in arrays]
+        shapes = {a.shape for a in arrays}
+        if path not in self.declared and len(shapes) == 1:
+            return self.add(path, (arrays[0].shape, arrays[0].dtype), None, "array", _Node("leaf"))
+        rows = {a.shape[1:] for a in arrays}
+        if any(a.ndim == 0 for a in arrays) or len(rows) > 1:
+            raise ValueError(f"example: leaf {name!r} has shapes {sorted(shapes)} in the first examples; only a "
+                             f"leaf's first axis may vary (a ragged leaf)")
+        filled = [a.dtype for a in arrays if a.size] or [arrays[0].dtype]
+        self.sizes["ragged"].append([a.nbytes for a in arrays])
+        return self.add(path, (rows.pop(), np.result_type(*filled)), None, "ragged", _Node("ragged"))
+
+    def add(self, path: str, spec: tuple, torch_dtype: str | None, kind: str, node: _Node) -> _Node:
+        self.paths.append(path)
+        self.specs.append(spec)
+        self.torch_dtypes.append(torch_dtype)
+        self.kinds.append(kind)
+        return node
+
+
+def _array_of(value: Any, path: str) -> tuple[np.ndarray, str | None] | None:
+    """A leaf value of the first examples as (array, raw torch dtype or None),
+    or None for an object (anything but an array, a number, a CPU tensor, or a
+    list of numbers)."""
+    if isinstance(value, (np.ndarray, *_NUMBERS)) or _is_torch_tensor(value):
+        array, torch_dtype = _first_leaf(value, path)
+        return None if array.dtype.hasobject else (array, torch_dtype)
+    if isinstance(value, list) and all(isinstance(v, _NUMBERS) for v in value):
+        return np.asarray(value) if value else np.zeros(0, dtype=np.int64), None
+    if hasattr(value, "__array_interface__") or hasattr(value, "__array__"):
+        kind = f"{type(value).__module__}.{type(value).__qualname__}"
+        raise TypeError(f"example: leaf {path!r} is a {kind}, which holds an array without being one; convert it "
+                        f"in transform (numpy.asarray(value): a PIL image gives its pixels, (height, width, "
+                        f"channels) uint8), so that batches stack it")
+    return None
+
+
+def _pickled(value: Any) -> bytes:
+    try:
+        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # not picklable: only a worker process would need it to be
+        return b""
+
+
+def _kinds(values: list) -> str:
+    return ", ".join(type(v).__name__ + (f" of {len(v)}" if isinstance(v, (list, tuple)) else "") for v in values[:4])

@@ -31,6 +31,8 @@ __all__ = [
     "DeviceMover",
     "allocate_pinned",
     "import_torch",
+    "leaf_to_torch",
+    "nested_from_packed",
     "raw_bytes",
     "raw_to_tensor",
     "pin_batch_memory",
@@ -129,6 +131,47 @@ def _from_numpy(torch: Any, array: np.ndarray) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_READ_ONLY_WARNING, category=UserWarning)
         return torch.from_numpy(array)
+
+
+# ---- ragged leaves and lists ----
+
+
+def nested_from_packed(values: Any, offsets: Any, bounds: tuple[int, int] | None = None) -> torch.Tensor:
+    """A nested tensor of layout ``torch.jagged`` whose rows are
+    ``values[offsets[i]:offsets[i + 1]]``, over the same memory (no copy).
+
+    Args:
+        values: ``(total, *row_shape)``, a NumPy array or a tensor.
+        offsets: ``(batch + 1,)`` int64, from 0, non-decreasing.
+        bounds: (shortest, longest) row, where known (offsets on a device:
+            reading them would wait for the device).
+    """
+    torch = import_torch()
+    if isinstance(values, np.ndarray):
+        values, offsets = _from_numpy(torch, values), _from_numpy(torch, offsets)
+    if bounds is None:
+        lengths = offsets.diff()
+        bounds = (int(lengths.min()), int(lengths.max())) if len(lengths) else (0, 0)
+    # The longest row told up front: without it torch's to_padded_tensor pads
+    # to the total length (torch 2.13), and nothing needs to compute it later.
+    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets, min_seqlen=bounds[0],
+                                                  max_seqlen=bounds[1])
+
+
+def leaf_to_torch(leaf: Any) -> Any:
+    """One batch leaf as torch gives it: an array as a tensor over its memory,
+    a ragged leaf as a jagged nested tensor over its memory, a
+    :class:`~dataecho.ragged.Padded` as one of tensors, a list as it is."""
+    from .ragged import Padded, Ragged
+
+    if isinstance(leaf, Ragged):
+        return nested_from_packed(leaf.values, leaf.offsets)
+    if isinstance(leaf, Padded):
+        torch = import_torch()
+        return Padded(_from_numpy(torch, leaf.data), _from_numpy(torch, leaf.lengths))
+    if isinstance(leaf, list):
+        return leaf
+    return _array_to_tensor(import_torch(), leaf, "leaf")
 
 
 # ---- dtypes NumPy lacks ----

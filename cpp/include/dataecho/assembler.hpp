@@ -103,7 +103,10 @@ class Assembler {
       const Committed got = next_committed(slot, serve_snapshots, /*starve=*/true);
       if (got == Committed::kSnapshot) return Step::kSnapshot;
       if (got == Committed::kStarved) {
-        if (reservoir_.size() > 0) return Step::kStarved;
+        if (reservoir_.size() > 0) {
+          starved_.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistics
+          return Step::kStarved;
+        }
         if (config_.deterministic && admit_next(/*input_over=*/true)) continue;
         if (next_committed(slot, serve_snapshots, /*starve=*/false) != Committed::kSlot) continue;
       } else if (got == Committed::kEnd) {
@@ -297,6 +300,7 @@ class Assembler {
   std::uint64_t dropped() const noexcept { return dropped_.load(std::memory_order_relaxed); }
   std::uint64_t evicted() const noexcept { return evicted_.load(std::memory_order_relaxed); }
   std::uint64_t resident() const noexcept { return resident_.load(std::memory_order_relaxed); }
+  std::uint64_t starved_fills() const noexcept { return starved_.load(std::memory_order_relaxed); }
 
  private:
   const BufferConfig& config_;
@@ -318,6 +322,7 @@ class Assembler {
   alignas(kCacheLine) std::atomic<std::uint64_t> dropped_{0};
   std::atomic<std::uint64_t> evicted_{0};
   std::atomic<std::uint64_t> resident_{0};
+  std::atomic<std::uint64_t> starved_{0};
 };
 
 }  // namespace dataecho

@@ -68,6 +68,7 @@ struct BufferStats {
   std::uint64_t batch_blocks = 0;  // batch blocks the pool allocated (adopted ones not counted)
   std::uint64_t pages = 0;         // pages of the heap for ragged values (0: none)
   std::uint64_t pages_in_use = 0;  // ... held by resident examples (and puts under way)
+  std::uint64_t starved = 0;       // fills cut short because producers waited for pages
   double producer_wait_s = 0;   // summed over producers: blocked waiting for a free slot
   double consumer_wait_s = 0;   // consumer blocked waiting for a batch
 };

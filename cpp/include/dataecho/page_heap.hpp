@@ -11,11 +11,14 @@
 // hold sequences of unknown length.
 //
 // The free pages form a lock-free stack (Treiber's), linked through next_:
-// the page given back last is taken first, while it is still in the cache, and
-// the pages a run touches are only as many as were ever in use at once. The
+// the page given back last is taken first, while it is still in the cache. The
 // head is one 64-bit word, {page index, tag}; the tag changes on every update,
 // so a pop that read a stale head fails its CAS instead of taking pages
-// another thread took meanwhile (the ABA problem).
+// another thread took meanwhile (the ABA problem). Pages never used yet are not
+// on the stack: a pop that finds too few there first moves a run of them onto
+// it (`fresh` counts those handed out). So a heap sized generously costs only
+// the pages ever in use at once (and their links): memory not touched is not
+// resident.
 //
 // Synchronization:
 //   (H1) push: the chain's links are stored (relaxed), then the head CAS
@@ -55,6 +58,7 @@ struct PageHeapState {
   explicit PageHeapState(bool process_shared) : freed(process_shared) {}
 
   alignas(kCacheLine) std::atomic<std::uint64_t> head{0};  // {top page, tag} (see pack())
+  std::atomic<std::uint64_t> fresh{0};  // pages [fresh, pages) were never on the stack
   alignas(kCacheLine) std::atomic<std::uint64_t> in_use{0};  // pages held: statistics
   std::atomic<std::uint32_t> waiters{0};  // producers waiting for pages (the assembler reads it)
   EventCount freed;                       // pages were given back
@@ -82,13 +86,11 @@ class PageHeap {
     return next_[i].load(std::memory_order_relaxed);  // relaxed: the holder's own link, ordered by H2 or the slot's hand-off
   }
 
-  // Builds the free stack over every page, in order (before the heap is shared).
+  // An empty stack, every page fresh (before the heap is shared).
   void format() const noexcept {
-    for (std::size_t i = 0; i < pages_; ++i) {
-      const auto link = i + 1 < pages_ ? static_cast<std::uint32_t>(i + 1) : kNoPage;
-      next_[i].store(link, std::memory_order_relaxed);  // relaxed: not yet shared
-    }
-    state_->head.store(pack(pages_ > 0 ? 0 : kNoPage, 0), std::memory_order_relaxed);  // relaxed: not yet shared
+    // relaxed: not yet shared.
+    state_->head.store(pack(kNoPage, 0), std::memory_order_relaxed);
+    state_->fresh.store(0, std::memory_order_relaxed);
     state_->in_use.store(0, std::memory_order_relaxed);
     state_->waiters.store(0, std::memory_order_relaxed);
   }
@@ -96,50 +98,21 @@ class PageHeap {
   // Takes `count` >= 1 pages at once, as a chain first -> ... -> last (the
   // last's link is left as it was); false if fewer are free right now.
   [[nodiscard]] bool try_pop(std::size_t count, std::uint32_t& first, std::uint32_t& last) const noexcept {
-    std::uint64_t head = state_->head.load(std::memory_order_seq_cst);  // (H2)
     for (;;) {
-      const std::uint32_t top = index_of(head);
-      if (top == kNoPage) return false;
-      std::uint32_t end = top;
-      std::size_t taken = 1;
-      while (taken < count) {
-        end = next_[end].load(std::memory_order_relaxed);  // relaxed: validated by the CAS below
-        if (end == kNoPage || end >= pages_) break;
-        ++taken;
-      }
-      if (taken < count) {
-        // Too few, or a stale walk: check that the head is unchanged before saying so.
-        const std::uint64_t now = state_->head.load(std::memory_order_seq_cst);  // (H2)
-        if (now == head) return false;
-        head = now;
-        continue;
-      }
-      const std::uint32_t after = next_[end].load(std::memory_order_relaxed);  // relaxed: as above
-      // (H2) on success the links and page bytes of the chain are ours; a
-      // failure reloads the head (seq_cst, as the loads above).
-      if (state_->head.compare_exchange_weak(head, pack(after, tag_of(head) + 1), std::memory_order_seq_cst,
-                                             std::memory_order_seq_cst)) {
-        first = top;
-        last = end;
+      if (pop_stack(count, first, last)) {
         // relaxed: statistics.
         state_->in_use.fetch_add(count, std::memory_order_relaxed);
         return true;
       }
+      // Too few on the stack: bring fresh pages, if any are left, and try again.
+      if (!refill(count)) return false;
     }
   }
 
   // Gives back the chain first -> ... -> last of `count` pages; wakes waiting
   // producers only when some wait (the event count's check is one load).
   void push(std::uint32_t first, std::uint32_t last, std::size_t count) const noexcept {
-    std::uint64_t head = state_->head.load(std::memory_order_relaxed);  // relaxed: the CAS validates it
-    for (;;) {
-      next_[last].store(index_of(head), std::memory_order_relaxed);  // relaxed: published by H1
-      // (H1) the links above and our reads of the pages happen-before the next
-      // pop of them; the condition store for producers waiting in pop_blocking.
-      if (state_->head.compare_exchange_weak(head, pack(first, tag_of(head) + 1), std::memory_order_seq_cst,
-                                             std::memory_order_relaxed))
-        break;
-    }
+    push_chain(first, last);
     state_->in_use.fetch_sub(count, std::memory_order_relaxed);  // relaxed: statistics
     state_->freed.notify_all();
   }
@@ -181,6 +154,68 @@ class PageHeap {
   }
   static constexpr std::uint32_t index_of(std::uint64_t head) noexcept { return static_cast<std::uint32_t>(head); }
   static constexpr std::uint32_t tag_of(std::uint64_t head) noexcept { return static_cast<std::uint32_t>(head >> 32); }
+
+  static constexpr std::size_t kRefill = 64;  // fresh pages moved onto the stack at a time, at least
+
+  // Moves a run of fresh pages (at least `count`, where that many are left)
+  // onto the stack; false when none are left.
+  bool refill(std::size_t count) const noexcept {
+    // relaxed: the counter only hands out distinct runs; the pages are
+    // published by the push below (H1).
+    std::uint64_t fresh = state_->fresh.load(std::memory_order_relaxed);
+    std::uint64_t take;
+    do {
+      if (fresh >= pages_) return false;
+      take = std::min<std::uint64_t>(pages_ - fresh, std::max(count, kRefill));
+    } while (!state_->fresh.compare_exchange_weak(fresh, fresh + take, std::memory_order_relaxed));
+    for (std::uint64_t i = fresh; i + 1 < fresh + take; ++i)
+      next_[i].store(static_cast<std::uint32_t>(i + 1), std::memory_order_relaxed);  // relaxed: published by H1
+    push_chain(static_cast<std::uint32_t>(fresh), static_cast<std::uint32_t>(fresh + take - 1));
+    return true;
+  }
+
+  bool pop_stack(std::size_t count, std::uint32_t& first, std::uint32_t& last) const noexcept {
+    std::uint64_t head = state_->head.load(std::memory_order_seq_cst);  // (H2)
+    for (;;) {
+      const std::uint32_t top = index_of(head);
+      if (top == kNoPage) return false;
+      std::uint32_t end = top;
+      std::size_t taken = 1;
+      while (taken < count) {
+        end = next_[end].load(std::memory_order_relaxed);  // relaxed: validated by the CAS below
+        if (end == kNoPage || end >= pages_) break;
+        ++taken;
+      }
+      if (taken < count) {
+        // Too few, or a stale walk: check that the head is unchanged before saying so.
+        const std::uint64_t now = state_->head.load(std::memory_order_seq_cst);  // (H2)
+        if (now == head) return false;
+        head = now;
+        continue;
+      }
+      const std::uint32_t after = next_[end].load(std::memory_order_relaxed);  // relaxed: as above
+      // (H2) on success the links and page bytes of the chain are ours; a
+      // failure reloads the head (seq_cst, as the loads above).
+      if (state_->head.compare_exchange_weak(head, pack(after, tag_of(head) + 1), std::memory_order_seq_cst,
+                                             std::memory_order_seq_cst)) {
+        first = top;
+        last = end;
+        return true;
+      }
+    }
+  }
+
+  void push_chain(std::uint32_t first, std::uint32_t last) const noexcept {
+    std::uint64_t head = state_->head.load(std::memory_order_relaxed);  // relaxed: the CAS validates it
+    for (;;) {
+      next_[last].store(index_of(head), std::memory_order_relaxed);  // relaxed: published by H1
+      // (H1) the links above and our reads of the pages happen-before the next
+      // pop of them; the condition store for producers waiting in pop_blocking.
+      if (state_->head.compare_exchange_weak(head, pack(first, tag_of(head) + 1), std::memory_order_seq_cst,
+                                             std::memory_order_relaxed))
+        break;
+    }
+  }
 
   PageHeapState* state_ = nullptr;
   std::atomic<std::uint32_t>* next_ = nullptr;

@@ -187,12 +187,9 @@ struct RegionView {
                     SlotArena(base + where.arena_offset, capacity, layout.slot_stride()),
                     heap_view(base, *header)};
     for (std::uint32_t slot = 0; slot < capacity; ++slot) DATAECHO_CHECK(view.free->try_push(slot));
-    if (heap.pages) {
-      for (std::size_t i = 0; i < heap.pages; ++i)  // the links: trivial atomics, created in place
-        new (base + where.page_links_offset + i * sizeof(std::uint32_t)) std::atomic<std::uint32_t>(0);
-      view.heap = heap_view(base, *header);
-      view.heap.format();
-    }
+    // The page links are written as pages are first used (PageHeap::refill):
+    // a heap larger than what is ever in use costs no memory for the rest.
+    if (heap.pages) view.heap.format();
     // Other processes attach only after they are started, which orders these
     // plain writes before their reads.
     header->version = kRegionVersion;

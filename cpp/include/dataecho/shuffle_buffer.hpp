@@ -227,6 +227,7 @@ class ShuffleBuffer {
     s.batch_blocks = pool_->allocated();
     s.pages = region_.heap.pages();
     s.pages_in_use = region_.heap.in_use();
+    s.starved = assembler_.starved_fills();
     s.producer_wait_s = 1e-9 * static_cast<double>(region_.header->producer_wait_ns.load(std::memory_order_relaxed));
     s.consumer_wait_s = 1e-9 * static_cast<double>(consumer_wait_ns_.load(std::memory_order_relaxed));
     return s;
