@@ -37,7 +37,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,7 @@ import numpy as np
 import common
 import dataecho
 from bench_buffer import median_run
+from bench_loaders import endless
 
 BATCH = 256
 SHUFFLE = 4096
@@ -99,11 +100,6 @@ def tokens_in(batch: Any) -> tuple[int, int]:
         return len(leaf.lengths), int(leaf.lengths.sum())
     mask = batch["attention_mask"]
     return len(mask), int(mask.sum())
-
-
-def endless(make_epoch: Callable[[], Iterable[Any]]) -> Iterator[Any]:
-    while True:
-        yield from make_epoch()
 
 
 def timed(batches: Iterator[Any], seconds: float) -> dict:

@@ -46,11 +46,16 @@ Sections (every figure in a table is measured in the same run; higher is better 
     ``__getitem__`` loop; and a Hugging Face ``Dataset`` of 12 KiB rows against
     ``DataLoader(num_workers=2)``. Section (a) measures the shuffle buffer
     alone; this one, the path users run.
+(f) Variable-length token sequences (``bench_ragged``): 16 to 512 int32 tokens
+    per sequence through ``EchoLoader`` (packed, and padded to the longest)
+    against ``DataLoader`` with a padding ``collate_fn`` and tf.data's
+    ``padded_batch``, from a per-example dataset and a Hugging Face ``Dataset``;
+    delivered tokens/s, and the echo buffer's memory per sequence it holds.
 
 Targets are printed at the end as met / NOT met.
 
 Usage:
-    python bench/compare.py [--quick] [--sections a,b,c,d,e] [--json PATH]
+    python bench/compare.py [--quick] [--sections a,b,c,d,e,f] [--json PATH]
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ import bench_batch_echo
 import bench_buffer
 import bench_echo
 import bench_loaders
+import bench_ragged
 import bench_workers
 import common
 from bench_buffer import CASES, ECHOES, Case, SteadyRate, make_source, median_run
@@ -380,14 +386,14 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the chosen sections, prints one table per section, then the targets."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short runs: about two minutes in all")
-    parser.add_argument("--sections", default="e,a,b,c,d", help="comma-separated subset of a,b,c,d,e")
+    parser.add_argument("--sections", default="e,f,a,b,c,d", help="comma-separated subset of a,b,c,d,e,f")
     parser.add_argument("--seconds", type=float, default=None, help="(a) seconds per contestant (default 1.5, quick 0.5)")
     parser.add_argument("--repeat", type=int, default=None, help="(a) interleaved rounds, medians (default 3, quick 1)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args(argv)
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}
-    if not sections <= {"a", "b", "c", "d", "e"}:
-        parser.error(f"--sections: expected a subset of a,b,c,d,e, got {args.sections!r}")
+    if not sections <= {"a", "b", "c", "d", "e", "f"}:
+        parser.error(f"--sections: expected a subset of a,b,c,d,e,f, got {args.sections!r}")
     seconds = args.seconds if args.seconds is not None else (0.5 if args.quick else 1.5)
     repeat = args.repeat if args.repeat is not None else (1 if args.quick else 3)
 
@@ -406,6 +412,16 @@ def main(argv: list[str] | None = None) -> int:
         bench_loaders.print_table(rows)
         checks += [{"section": "e", **c} for c in loader_checks]
         report["e"] = {"seconds": loader_seconds, "repeat": repeat, "rows": rows}
+        print()
+    if "f" in sections:
+        ragged_seconds = 0.5 if args.quick else 1.5
+        print(f"(f) token sequences (bench_ragged): batch {bench_ragged.BATCH} sequences of {bench_ragged.SHORTEST}-"
+              f"{bench_ragged.LONGEST} int32 tokens, echo 1; delivered tokens/s, ~{ragged_seconds:g} s per "
+              f"contestant, median of {repeat} round(s)")
+        rows, memory, ragged_checks = bench_ragged.run(ragged_seconds, repeat)
+        bench_ragged.print_table(rows, memory)
+        checks += [{"section": "f", **c} for c in ragged_checks]
+        report["f"] = {"seconds": ragged_seconds, "repeat": repeat, "rows": rows, "memory": memory}
         print()
     if "a" in sections:
         rows, notes = run_throughput(seconds, repeat, available)

@@ -132,11 +132,11 @@ class Ragged:
         elif longest > length:
             row = int(np.argmax(lengths))
             raise ValueError(f"padded(): row {row} has {longest} rows, more than length={length}")
-        data = np.full((len(self), length, *self.row_shape), value, dtype=self.dtype)
+        shape = (len(self), length, *self.row_shape)
+        data = np.zeros(shape, dtype=self.dtype) if value == 0 else np.full(shape, value, dtype=self.dtype)
         if len(self.values):
-            rows = np.repeat(np.arange(len(self)), lengths)
-            columns = np.arange(len(self.values)) - np.repeat(self.offsets[:-1], lengths)
-            data[rows, columns] = self.values
+            # The mask's True cells, in C order, are the packed values' places.
+            data[np.arange(length)[None, :] < lengths[:, None]] = self.values
         return Padded(data, lengths)
 
     def to_torch(self) -> Any:
