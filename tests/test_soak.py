@@ -30,7 +30,7 @@ from collections import Counter
 import numpy as np
 import pytest
 from processes import native_threads, shm_segments, worker_processes
-from support import Records, check_exact, checked_ids, examples, free_slots, id_buffer, one, payload_of
+from support import Records, check_exact, checked_ids, drain, examples, free_slots, id_buffer, one, payload_of
 
 import dataecho
 
@@ -196,14 +196,30 @@ def process_round(seed: int, n: int) -> int:
     return sum(seen.values())
 
 
+def ragged_round(seed: int, n: int, worker_type: str) -> int:
+    """Ragged values and objects (support.ragged_one) through a page budget of
+    1 MiB, with thread or process workers; every leaf checked against its id."""
+    loader = dataecho.EchoLoader(
+        Records(n, form="ragged"), batch_size=64, echo_factor=2, workers=2, worker_type=worker_type,
+        shuffle_buffer=512, ragged_bytes=1 << 20, seed=seed,
+    )
+    with loader:
+        seen: Counter = Counter()
+        drain(loader, seen)
+    check_exact(seen, range(n), 2, f"ragged, {worker_type} workers: ")
+    return sum(seen.values())
+
+
 def one_round(r: int, moved: Counter) -> None:
     moved["buffer, echo 2"] += buffer_round(2, seed=r, n=20_000)
     moved["buffer, echo 1.5"] += buffer_round(1.5, seed=r, n=20_000)
     moved["loader threads, example echo"] += loader_round(2, "example", None, seed=r, n=3000)
     moved["loader threads, example echo 1.5 + augment"] += loader_round(1.5, "example", bump, seed=r, n=3000)
     moved["loader threads, batch echo"] += loader_round(2, "batch", None, seed=r, n=3000, epochs=1)
+    moved["loader threads, ragged values and objects"] += ragged_round(seed=r, n=1500, worker_type="thread")
     if r % PROCESS_EPOCH_EVERY == 0:
         moved["loader processes"] += process_round(seed=r, n=3000)
+        moved["loader processes, ragged values and objects"] += ragged_round(seed=r, n=1500, worker_type="process")
 
 
 # ---- the soak ----
