@@ -1806,7 +1806,7 @@ std::string test_buffer_ragged() {
 std::string test_buffer_ragged_modes() {
   const std::uint64_t items = std::max<std::uint64_t>(800, g_options.items / 1000);
   for (bool tight : {false, true}) {
-    const Run run{4, 64, 16, 0, items, 900, tight ? 2 * 60 : 64 * 60, 64, run_seed(8500 + tight)};
+    const Run run{4, 64, 16, 0, items, 900, std::size_t{tight ? 2u * 60 : 64u * 60}, 64, run_seed(8500 + tight)};
     const Outcome out = run_buffer(run);
     for (std::uint64_t id = 0; id < items; ++id)
       CHECK_MSG(out.counts[id] >= 1 && out.counts[id] <= 3,

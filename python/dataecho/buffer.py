@@ -500,11 +500,10 @@ class ShuffleBuffer:
         self.close()
 
     def __repr__(self) -> str:
-        fields = (
-            f"{self._fields[0].shape}, {self._fields[0].dtype}"
-            if self._single
-            else ", ".join(f"{f.name}: {f.shape} {f.dtype}" for f in self._fields)
-        )
+        def spec(f: Field) -> str:
+            return "object" if f.kind == "object" else f"{(None, *f.shape) if f.ragged else f.shape} {f.dtype}"
+
+        fields = spec(self._fields[0]) if self._single else ", ".join(f"{f.name}: {spec(f)}" for f in self._fields)
         return (
             f"ShuffleBuffer({fields}; capacity={self.capacity}, batch_size={self.batch_size}, "
             f"echo_factor={self.echo_factor}{', closed' if self._closed else ''})"

@@ -127,7 +127,6 @@ class Producer {
     DATAECHO_CHECK(ragged == 0 || lengths != nullptr);
     h.in_flight.fetch_add(1, std::memory_order_seq_cst);  // (I1)
     Status status = Status::kOk;
-    const std::size_t start = done;
     while (done < n) {
       const std::uint64_t seq = first_seq + (rows == Rows::kOne ? 0 : done);
       if (h.window != 0) {
@@ -151,12 +150,17 @@ class Producer {
       else
         layout_.scatter(example, dst);
       region_.slot_seq[slot] = seq;  // published with the slot by the push below
+      // Counted before its commit: whoever has a batch holding the example
+      // (commit -> assembler -> ready queue -> consumer, each step ordering the
+      // next) reads a count that includes it. A loader's skip count for resume
+      // is this count, so it never misses an example that was delivered.
+      // relaxed: that ordering comes from the commit's release (P2).
+      h.fresh.fetch_add(1, std::memory_order_relaxed);
       // Never full: it has a cell per slot, and its one popper (the assembler)
       // cannot be lapped while stalled, since that would need capacity + 1 slots.
       DATAECHO_CHECK(region_.committed->try_push(slot));
       ++done;
     }
-    h.fresh.fetch_add(done - start, std::memory_order_relaxed);  // relaxed: statistics
     // (I2) seq_cst: the condition store for the assembler's wait; our pushes are
     // ordered before it. The closed load is seq_cst so that it and close()'s
     // store are in one order with the assembler's in_flight read.
