@@ -367,3 +367,25 @@ def test_the_shuffle_buffer_takes_ragged_fields_in_put_many_as_a_ragged_or_a_lis
             got[i] = (t.tolist(), s)
     assert got == {0: ([1], "a"), 1: ([], None), 2: ([2, 3], b"c"), 3: ([0, 1, 2, 3], 1.5), 4: ([], ("t",))}
 
+
+
+def to_bytes(example: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
+    """An augment that tokenizes text into bytes, from a random start (echo
+    before tokenization); the example's name, a str, becomes its id."""
+    data = example["text"].encode()
+    start = int(rng.integers(0, len(data) + 1))
+    return {"id": int(example["name"]), "tokens": np.frombuffer(data[start:], dtype=np.uint8).copy()}
+
+
+def test_examples_of_objects_only_echo_before_an_augment_that_tokenizes_them():
+    texts = [f"text {i} " * (i % 4) for i in range(300)]
+    source = [{"name": str(i), "text": text} for i, text in enumerate(texts)]  # no array at all
+    seen: Counter = Counter()
+    for batch in dataecho.EchoLoader(source, batch_size=16, echo_factor=2, augment=to_bytes, seed=5):
+        assert isinstance(batch["tokens"], dataecho.Ragged) and batch["tokens"].dtype == np.uint8
+        for i, tokens in zip(batch["id"].tolist(), batch["tokens"]):
+            assert texts[i].encode().endswith(tokens.tobytes())
+        seen.update(batch["id"].tolist())
+    check_exact(seen, range(300), 2)
+    strings = next(iter(dataecho.EchoLoader(texts, batch_size=8, shuffle=False, echo_factor=1)))
+    assert strings == texts[:8], "an example that is one object: a batch is a list"

@@ -347,8 +347,8 @@ class _Inference:
         if missing and (self.strict or set(missing) & set(self.paths)):
             raise ValueError(f"ragged: {missing} are not leaves of the example with a first axis; its leaves are "
                              f"{[p or '' for p in self.paths]} (paths join dict keys and positions with '/')")
-        if all(kind == "object" for kind in self.kinds):
-            raise TypeError("example: it holds no arrays")
+        if not self.kinds:
+            raise TypeError("example: it holds no leaves (an empty container)")
         structure = cls(root, self.paths, self.specs, self.torch_dtypes, self.kinds)
         structure.sample_bytes = {kind: [sum(column) for column in zip(*sizes)] if sizes else []
                                   for kind, sizes in self.sizes.items()}
