@@ -101,6 +101,7 @@ class PyBuffer {
     if (!PyList_Check(arrays.ptr()) || PyList_GET_SIZE(arrays.ptr()) != static_cast<py::ssize_t>(specs_.size()))
       throw py::type_error("arrays: expected a list, one entry per field");
     std::vector<const void*> from(specs_.size());
+    std::vector<const std::int64_t*> offsets_from(specs_.size(), nullptr);  // taken with the GIL, read without
     std::vector<std::size_t> bytes(specs_.size());
     for (std::size_t f = 0; f < specs_.size(); ++f) {
       py::handle item = PyList_GET_ITEM(arrays.ptr(), f);
@@ -118,6 +119,7 @@ class PyBuffer {
       const auto offsets = py::reinterpret_borrow<py::array_t<std::int64_t>>(PyTuple_GET_ITEM(item.ptr(), 1));
       if (offsets.data()[0] != 0) throw py::value_error("batch: field " + std::to_string(f) + ": offsets start at 0");
       from[f] = PyArray_DATA_of(PyTuple_GET_ITEM(item.ptr(), 0));
+      offsets_from[f] = offsets.data();
       bytes[f] = static_cast<std::size_t>(offsets.data()[rows]) * specs_[f].bytes;
     }
     std::shared_ptr<BatchPool::Lease> lease = core.lease_batch();
@@ -129,9 +131,7 @@ class PyBuffer {
           std::memcpy(lease->data() + layout.batch_offset(f), from[f], bytes[f]);
           continue;
         }
-        const auto offsets = static_cast<const std::int64_t*>(
-            PyArray_DATA_of(PyTuple_GET_ITEM(PyList_GET_ITEM(arrays.ptr(), f), 1)));
-        std::memcpy(layout.offsets(lease->data(), f), offsets, (rows + 1) * sizeof(std::int64_t));
+        std::memcpy(layout.offsets(lease->data(), f), offsets_from[f], (rows + 1) * sizeof(std::int64_t));
         if (bytes[f] > 0) std::memcpy(lease->values(r), from[f], bytes[f]);
         lease->set_values_used(r, bytes[f]);
         ++r;
