@@ -132,6 +132,7 @@ python_env() {  # python_env NAME FLAGS
     local needs=(numpy pytest pytest-timeout hypothesis scikit-build-core pybind11)
     # Torch only if a selected test imports it (the pinned wheel comes from local disk).
     grep -qE '^\s*(import|from) torch' "${python_tests[@]/#/$repo/}" && needs+=(torch==2.13.0)
+    grep -qE '^\s*(import|from) PIL' "${python_tests[@]/#/$repo/}" && needs+=(pillow)
     run_logged "pip install test dependencies" "$venv.deps.log" "$venv/bin/pip" install -q "${needs[@]}" >&2
   fi
   run_logged "building the extension with $flags" "$venv.build.log" \
@@ -334,9 +335,14 @@ pass_asan_python() {
   fresh_logs "$logs" && : >"$out"
   cd "$repo"
   step "pytest (output above)"
+  # GCC 12's libasan takes no lock on fork (LLVM's runtime does from version 17):
+  # a child forked while another thread holds a lock of its allocator can block on
+  # its first allocation of that size class, whatever the code under test does. So
+  # the fault scenarios of kind fork, whose children start epochs (threads, memory),
+  # run only in the plain suite; test_blocking's fork test, which only raises, stays.
   checked "$logs" "$out" env LD_PRELOAD="$preload" DATAECHO_TEST_SEED="$seed" \
-    "$py" -m pytest "${pytest_args[@]}" "${python_tests[@]}"
-  note "${python_tests[*]##*/}: $(tail -n 1 "$out")"
+    "$py" -m pytest "${pytest_args[@]}" -k "not fork:" "${python_tests[@]}"
+  note "${python_tests[*]##*/} (no fork: scenarios): $(tail -n 1 "$out")"
 }
 
 pass_valgrind() {
