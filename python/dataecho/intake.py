@@ -74,7 +74,16 @@ class IntakeStage:
         config = self._config
         per_example = config.echo_at == "example"
         auto = per_example and config.echo_factor == "auto"
-        capacity = config.shuffle_buffer if per_example else max(2 * config.batch_size, DEFAULT_EXAMPLES)
+        if per_example:
+            capacity = config.shuffle_buffer
+        elif config.map_style:
+            # Batch echoing over an index order that is already a new permutation
+            # each epoch (the sampler's): batch it as it comes, as DataLoader
+            # does. A larger shuffle here would only delay the echoes: the
+            # reservoir grows by one example per delivery, at one more fresh read.
+            capacity = 2 * config.batch_size
+        else:
+            capacity = max(2 * config.batch_size, DEFAULT_EXAMPLES)
         if config.map_style:  # no more slots than the epoch has examples (with room for the reorder window)
             capacity = min(capacity, max(len(self._source), 2 * config.batch_size))
         pages, page_bytes = ragged_heap(self.structure, capacity, config.ragged_bytes, objects)

@@ -103,35 +103,51 @@ def train(config: Config, dataset: PngDigits, validation: tuple[np.ndarray, np.n
     augment = Augment(seed)
     loader = make_loader(config, dataset, augment, batch_size=batch_size, workers=workers, seed=seed,
                          device=device if device != "cpu" else None)
-    run = Run(config)
-    start = time.perf_counter()
-    steps = 0
+    def step(batch: dict) -> None:
+        images, labels = batch["image"].to(device), batch["label"].to(device)
+        loss = torch.nn.functional.cross_entropy(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    def evaluate() -> float:
+        with torch.no_grad():
+            return float((model(val_x).argmax(1) == val_y).float().mean())
+
+    return fit(Run(config), loader, step, evaluate, lambda: int(loader.stats()["fresh"]), target=target,
+               higher_is_better=True, max_seconds=max_seconds, eval_every=eval_every, progress=progress)
+
+
+def fit(run: Run, loader: dataecho.EchoLoader, step: Callable[[Any], None], evaluate: Callable[[], float],
+        fresh: Callable[[], int], *, target: float, higher_is_better: bool, max_seconds: float, eval_every: int,
+        progress: Callable[[Run, float], None]) -> Run:
+    """Runs `step` on the loader's batches, epoch after epoch, evaluating every
+    `eval_every` steps, until the target is reached or `max_seconds` pass;
+    closes the loader.
+
+    Returns:
+        `run`, its history rows (seconds, fresh(), steps, evaluate()).
+    """
+    start, steps = time.perf_counter(), 0
     try:
-        while run.reached is None:
+        while run.reached is None and not (run.history and run.history[-1][0] > max_seconds):
             for batch in loader:
-                images, labels = batch["image"].to(device), batch["label"].to(device)
-                loss = torch.nn.functional.cross_entropy(model(images), labels)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
+                step(batch)
                 steps += 1
                 if steps % eval_every:
                     continue
-                with torch.no_grad():
-                    accuracy = float((model(val_x).argmax(1) == val_y).float().mean())
-                elapsed = time.perf_counter() - start
-                row = (elapsed, int(loader.stats()["fresh"]), steps, accuracy)
+                value = evaluate()
+                row = (time.perf_counter() - start, fresh(), steps, value)
                 run.history.append(row)
                 progress(run, max_seconds)
                 # Reached when the mean of the last three evaluations is: a single
                 # noisy evaluation crossing the line says little.
                 recent = [r[3] for r in run.history[-SMOOTHING:]]
-                if len(recent) == SMOOTHING and sum(recent) / SMOOTHING >= target:
+                mean = sum(recent) / SMOOTHING
+                if len(recent) == SMOOTHING and (mean >= target if higher_is_better else mean <= target):
                     run.reached = row
-                if run.reached is not None or elapsed > max_seconds:
+                if run.reached is not None or row[0] > max_seconds:
                     break
-            if run.history and run.history[-1][0] > max_seconds:
-                break
     finally:
         loader.close()
     return run
