@@ -433,6 +433,31 @@ def test_batch_echo_keeps_the_short_batch_last(echo, seed):
         assert 1 in sizes
 
 
+def test_auto_batch_echo_repeats_nothing_after_the_short_batch():
+    # The race the loader test above can only sometimes hit: the short batch has
+    # been taken in and delivered, and the upstream is slow to say it is done.
+    from dataecho.batch_echo import BatchEchoStage
+    from dataecho.stage import Batch
+
+    class Upstream:
+        def __init__(self):
+            self.sizes = [8, 8, 8, 1]
+
+        def next(self, timeout):
+            if self.sizes:
+                return Batch(None, (np.zeros(self.sizes.pop(0)),))
+            if timeout == 0.0:
+                raise TimeoutError  # not over yet: the consumer would wait
+            raise StopIteration
+
+    stage = BatchEchoStage(Upstream(), resident=4, batch_size=8, echo_factor=None, max_echo=4.0, seed=0)
+    sizes = []
+    with pytest.raises(StopIteration):
+        while True:
+            sizes.append(len(stage.next()))
+    assert sizes == [8, 8, 8, 1]
+
+
 @pytest.mark.parametrize("output", ["torch", "numpy"])
 def test_batch_echo_repeats_survive_in_place_changes(output, seed):
     # A loop that normalises its batch in place (batch.sub_(mean)) must not change

@@ -78,6 +78,7 @@ class BatchEchoStage:
         self._entries: list[_Entry] = []
         self._last: _Entry | None = None
         self._upstream_done = False
+        self._short_came = False  # auto: a short batch was taken in (no repeat may follow it)
         self.fresh_batches = 0
         self.delivered_batches = 0
         if resume is not None:
@@ -156,8 +157,10 @@ class BatchEchoStage:
         if self._upstream_done:
             # The input is over: no more repeats, as for example echoing.
             raise StopIteration
-        if any(e.left > 0 and self._full(e) for e in self._entries):
-            return self._pick(lambda e: e.left > 0)  # the consumer would wait: repeat
+        # The consumer would wait: repeat a full batch, unless the short one
+        # (the upstream's last) has come: nothing may follow it but the end.
+        if not self._short_came and any(e.left > 0 and self._full(e) for e in self._entries):
+            return self._pick(lambda e: e.left > 0)
         return self._pull(timeout=None)
 
     # ---- shared ----
@@ -172,6 +175,7 @@ class BatchEchoStage:
                 raise
             return self._entries[0]  # fixed: drain what is resident
         self.fresh_batches += 1
+        self._short_came = self._short_came or len(batch) < self._batch_size
         deliveries = self._draw_count(self._echo if self._echo is not None else self._max_echo)
         entry = _Entry(batch, deliveries, deliveries)
         if len(self._entries) >= self._resident:
