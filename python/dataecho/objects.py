@@ -144,7 +144,7 @@ class LeafMap:
             objects = iter([list(column) for column in zip(*rows)])
         items = iter(native)
         return tuple(next(objects) if kind == "object" else
-                     Ragged(*next(items)) if kind == "ragged" else next(items) for kind in self.kinds)
+                     Ragged.of_batch(*next(items)) if kind == "ragged" else next(items) for kind in self.kinds)
 
     def for_copy(self, leaves: Sequence[Any]) -> list:
         """A batch's leaves in native form for a copy (object lists are copied
@@ -156,7 +156,7 @@ class LeafMap:
     def copied(self, leaves: Sequence[Any], native: Sequence[Any]) -> tuple[Any, ...]:
         """The copy of ``leaves`` from its native copy."""
         items = iter(native)
-        return tuple(list(leaf) if kind == "object" else Ragged(*next(items)) if kind == "ragged" else next(items)
+        return tuple(list(leaf) if kind == "object" else Ragged.of_batch(*next(items)) if kind == "ragged" else next(items)
                      for leaf, kind in zip(leaves, self.kinds))
 
 
