@@ -294,8 +294,9 @@ pass_tsan_python() {
   # TSan cannot follow a process that starts threads after a multi-threaded fork
   # (it dies, or with die_after_fork=0 aborts on "dup thread with used id"), so the
   # fault scenarios of kind fork run only in the other passes and the plain suite.
-  checked "$logs" "$out" env LD_PRELOAD="$preload" DATAECHO_TEST_SEED="$seed" "${tsan_launcher[@]}" \
-    "$py" -m pytest "${pytest_args[@]}" -k "not fork:" "${python_tests[@]}"
+  # The fault scenarios' time limits stretched 3x: TSan runs this code 5-15x slower.
+  checked "$logs" "$out" env LD_PRELOAD="$preload" DATAECHO_TEST_SEED="$seed" DATAECHO_TIME_SCALE=3 \
+    "${tsan_launcher[@]}" "$py" -m pytest "${pytest_args[@]}" -k "not fork:" "${python_tests[@]}"
   note "${python_tests[*]##*/} (no fork: scenarios): $(tail -n 1 "$out")"
 }
 
@@ -340,7 +341,8 @@ pass_asan_python() {
   # its first allocation of that size class, whatever the code under test does. So
   # the fault scenarios of kind fork, whose children start epochs (threads, memory),
   # run only in the plain suite; test_blocking's fork test, which only raises, stays.
-  checked "$logs" "$out" env LD_PRELOAD="$preload" DATAECHO_TEST_SEED="$seed" \
+  # The fault scenarios' time limits stretched 2x: ASan runs this code about 2x slower.
+  checked "$logs" "$out" env LD_PRELOAD="$preload" DATAECHO_TEST_SEED="$seed" DATAECHO_TIME_SCALE=2 \
     "$py" -m pytest "${pytest_args[@]}" -k "not fork:" "${python_tests[@]}"
   note "${python_tests[*]##*/} (no fork: scenarios): $(tail -n 1 "$out")"
 }

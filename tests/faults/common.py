@@ -15,11 +15,16 @@ from processes import descendants, native_threads, shm_segments
 import dataecho
 from support import InjectedFault, id_buffer, injected, wait_for
 
-RELEASE_S = 0.5  # close() releases every waiter within this
-SIGINT_S = 1.0  # Ctrl-C becomes KeyboardInterrupt within this
-EXIT_S = 5.0  # the interpreter exits within this
-TIMEOUT_SLACK_S = 0.35  # a timed-out call returns within timeout + this
-CLEANUP_S = 3.0  # threads and processes of a finished pipeline are gone within this
+# The limits below hold at native speed. Under a sanitizer everything runs
+# several times slower (a worker process stopped after Ctrl-C takes about a
+# second to exit under ThreadSanitizer): tests/sanitize.sh stretches them by
+# DATAECHO_TIME_SCALE.
+SCALE = float(os.environ.get("DATAECHO_TIME_SCALE", "1"))
+RELEASE_S = 0.5 * SCALE  # close() releases every waiter within this
+SIGINT_S = 1.0 * SCALE  # Ctrl-C becomes KeyboardInterrupt within this
+EXIT_S = 5.0 * SCALE  # the interpreter exits within this
+TIMEOUT_SLACK_S = 0.35 * SCALE  # a timed-out call returns within timeout + this
+CLEANUP_S = 3.0 * SCALE  # threads and processes of a finished pipeline are gone within this
 FORBIDDEN = ("terminate called", "Fatal Python error", "Aborted", "Segmentation fault")
 
 
