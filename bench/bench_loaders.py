@@ -113,22 +113,28 @@ def timed(batches: Iterator[Any], seconds: float) -> dict:
     return rate.result()
 
 
-def run_echo(source: Any, seconds: float, **options: Any) -> dict:
+Measure = Callable[[Iterator[Any], float], dict]
+
+
+def run_echo(source: Any, seconds: float, measure: Measure = timed, **options: Any) -> dict:
+    """``EchoLoader(source, **options)`` at echo 1, measured by ``measure``."""
     loader = dataecho.EchoLoader(source, batch_size=BATCH, echo_factor=1, **options)
     try:
-        return timed(endless(lambda: loader), seconds)
+        return measure(endless(lambda: loader), seconds)
     finally:
         loader.close()
 
 
-def run_dataloader(source: Any, seconds: float, workers: int) -> dict:
+def run_dataloader(source: Any, seconds: float, workers: int, measure: Measure = timed,
+                   collate_fn: Callable[[list], Any] | None = None) -> dict:
+    """``DataLoader(shuffle=True)`` with ``workers`` (persistent) workers."""
     import torch.utils.data as data
 
-    loader = data.DataLoader(source, batch_size=BATCH, shuffle=True, num_workers=workers,
+    loader = data.DataLoader(source, batch_size=BATCH, shuffle=True, num_workers=workers, collate_fn=collate_fn,
                              persistent_workers=workers > 0)
     batches = endless(lambda: loader)
     try:
-        return timed(batches, seconds)
+        return measure(batches, seconds)
     finally:
         batches.close()
         del loader  # shuts its workers down

@@ -45,7 +45,7 @@ import numpy as np
 import common
 import dataecho
 from bench_buffer import median_run
-from bench_loaders import endless
+from bench_loaders import endless, run_dataloader, run_echo
 
 BATCH = 256
 SHUFFLE = 4096
@@ -114,27 +114,6 @@ def timed(batches: Iterator[Any], seconds: float) -> dict:
     return {"ex_s": rows / elapsed, "tokens_s": tokens / elapsed}
 
 
-def run_echo(source: Any, seconds: float, **options: Any) -> dict:
-    loader = dataecho.EchoLoader(source, batch_size=BATCH, echo_factor=1, **options)
-    try:
-        return timed(endless(lambda: loader), seconds)
-    finally:
-        loader.close()
-
-
-def run_dataloader(source: Any, seconds: float, workers: int) -> dict:
-    import torch.utils.data as data
-
-    loader = data.DataLoader(source, batch_size=BATCH, shuffle=True, num_workers=workers, collate_fn=pad_collate,
-                             persistent_workers=workers > 0)
-    batches = endless(lambda: loader)
-    try:
-        return timed(batches, seconds)
-    finally:
-        batches.close()
-        del loader
-
-
 def run_tfdata(tokens: np.ndarray, offsets: np.ndarray, seconds: float) -> dict:
     import tensorflow as tf
 
@@ -181,13 +160,13 @@ def run(seconds: float, repeat: int) -> tuple[list[dict], dict, list[dict]]:
     for _ in range(repeat):
         for kind, source in sources.items():
             runs: dict[str, Callable[[], dict]] = {
-                ECHO: lambda: run_echo(source, seconds),
-                ECHO_PADDED: lambda: run_echo(source, seconds, padding="longest"),
+                ECHO: lambda: run_echo(source, seconds, timed),
+                ECHO_PADDED: lambda: run_echo(source, seconds, timed, padding="longest"),
             }
             if available["torch"]:
                 torch_source = source.with_format("torch") if kind == "HF Dataset" else source
-                runs[DL0] = lambda: run_dataloader(torch_source, seconds, 0)
-                runs[DL2] = lambda: run_dataloader(torch_source, seconds, 2)
+                runs[DL0] = lambda: run_dataloader(torch_source, seconds, 0, timed, pad_collate)
+                runs[DL2] = lambda: run_dataloader(torch_source, seconds, 2, timed, pad_collate)
             for name, fn in runs.items():
                 print(f"running {kind}: {name} ...", file=sys.stderr, flush=True)
                 cells.setdefault((kind, name), []).append(fn())

@@ -25,7 +25,7 @@ import numpy as np
 
 from . import _core
 from .chunks import Columns, claimed, map_reader
-from .fields import Field, to_field_array
+from .fields import Field, field_value
 from .objects import LeafMap
 from .structure import Structure
 
@@ -120,8 +120,9 @@ def main(spec: WorkerSpec, conn: Any, lifeline: Any, tasks: Any = None) -> None:
 
 def _epoch(spec: WorkerSpec, conn: Any, parent: int) -> None:
     """Reads this worker's share of one epoch into the buffer region ``spec.region``."""
+    leaf_map = LeafMap(spec.fields, "pickle")  # object leaves travel pickled, in the carrier
     try:
-        producer = _core.Producer(spec.region, [f.decl() for f in LeafMap(spec.fields, "pickle").native])
+        producer = _core.Producer(spec.region, [f.decl() for f in leaf_map.native])
     except BaseException as error:
         _send(conn, ("error", spec.worker_id, error, traceback.format_exc()))
         return
@@ -132,7 +133,7 @@ def _epoch(spec: WorkerSpec, conn: Any, parent: int) -> None:
         if spec.worker_init_fn is not None:
             spec.worker_init_fn(spec.worker_id)
         if spec.map_style:
-            _read_map(spec, producer, meter, orphaned)
+            _read_map(spec, producer, leaf_map, meter, orphaned)
         else:
             it = iter(spec.source)
             for k in itertools.count():
@@ -141,7 +142,7 @@ def _epoch(spec: WorkerSpec, conn: Any, parent: int) -> None:
                 meter.busy(time.perf_counter() - start)
                 # Interleaved numbering: worker w's k-th example is k * W + w.
                 seq = k * spec.num_workers + spec.worker_id
-                if example is _END or not _produce(spec, producer, meter, orphaned, example, seq):
+                if example is _END or not _produce(spec, producer, leaf_map, meter, orphaned, example, seq):
                     break
         meter.flush()
         _send(conn, ("done", spec.worker_id))
@@ -155,12 +156,12 @@ def _epoch(spec: WorkerSpec, conn: Any, parent: int) -> None:
 _END = object()
 
 
-def _read_map(spec: WorkerSpec, producer: Any, meter: _Meter, orphaned: Any) -> None:
+def _read_map(spec: WorkerSpec, producer: Any, leaf_map: LeafMap, meter: _Meter, orphaned: Any) -> None:
     """Reads the positions this worker claims, a chunk at a time (dataecho.chunks);
     a claimed position is also the example's sequence number."""
     reader = map_reader(spec.source, spec.transform, spec.order)
     start = time.perf_counter()
-    columns = Columns(spec.structure, spec.fields, LeafMap(spec.fields, "pickle").codec)
+    columns = Columns(spec.structure, spec.fields, leaf_map.codec)
     for seq, rows, read in claimed(producer.claim_range, spec.chunk, reader, columns):
         meter.busy(time.perf_counter() - start)
         done = 0
@@ -172,14 +173,14 @@ def _read_map(spec: WorkerSpec, producer: Any, meter: _Meter, orphaned: Any) -> 
         start = time.perf_counter()
 
 
-def _produce(spec: WorkerSpec, producer: Any, meter: _Meter, orphaned: Any, example: Any, seq: int) -> bool:
+def _produce(spec: WorkerSpec, producer: Any, leaf_map: LeafMap, meter: _Meter, orphaned: Any, example: Any,
+             seq: int) -> bool:
     """Transforms and puts example number `seq`; False once the parent closed the buffer."""
     start = time.perf_counter()
     if spec.transform is not None:
         example = spec.transform(example)
     leaves = spec.structure.flatten(example)
-    converted = [v if f.kind == "object" else to_field_array(v, f, None, "example") for v, f in zip(leaves, spec.fields)]
-    arrays = LeafMap(spec.fields, "pickle").example(converted)
+    arrays = leaf_map.example([field_value(v, f, None, "example") for v, f in zip(leaves, spec.fields)])
     meter.busy(time.perf_counter() - start)
     while True:
         status = producer.put(arrays, 1.0, seq)

@@ -20,7 +20,7 @@ import numpy as np
 
 from . import _checks, _core
 from .errors import BufferClosed
-from .fields import Field, parse_fields, to_field_array
+from .fields import Field, field_value, parse_fields, to_field_array
 from .objects import LeafMap
 from .ragged import Ragged
 from .structure import key_mismatch
@@ -134,8 +134,7 @@ class NativeBuffer:
     def put_values(self, values: list, timeout_s: float | None = None, seq: int = 0) -> None:
         """Puts one example given as one value per field (converted here);
         ``seq`` is its position in the input, for deterministic intake."""
-        self.put_arrays([v if f.kind == "object" else to_field_array(v, f, None, "put()")
-                         for v, f in zip(values, self.fields)], timeout_s, seq)
+        self.put_arrays([field_value(v, f, None, "put()") for v, f in zip(values, self.fields)], timeout_s, seq)
 
     def put_arrays(self, arrays: list[Any], timeout_s: float | None = None, seq: int = 0) -> None:
         """Puts one example given as one converted array per field (object
@@ -513,7 +512,7 @@ class ShuffleBuffer:
 
     def _arrays(self, example: Any, rows: int | None, where: str) -> list[Any]:
         if self._single:
-            return [_value(example, self._fields[0], rows, where)]
+            return [field_value(example, self._fields[0], rows, where)]
         if not isinstance(example, Mapping):
             raise TypeError(f"{where}: expected a dict with fields {self._names}, got {type(example).__name__}")
         mismatch = key_mismatch(self._names, example)
@@ -521,7 +520,7 @@ class ShuffleBuffer:
             raise ValueError(
                 f"{where}: example fields do not match: missing {mismatch[0]}, unexpected {mismatch[1]}"
             )
-        return [_value(example[f.name], f, rows, where) for f in self._fields]
+        return [field_value(example[f.name], f, rows, where) for f in self._fields]
 
     def _rows(self, examples: Any) -> int:
         if not self._single and isinstance(examples, Mapping) and self._names[0] in examples:
@@ -547,11 +546,6 @@ class ShuffleBuffer:
         if len(shape) < 1:
             raise ValueError("put_many(): expected stacked arrays with a leading axis of examples")
         return int(shape[0])
-
-
-def _value(value: Any, field: Field, rows: int | None, where: str) -> Any:
-    """A field's value for a put: converted, or for an object field as it is."""
-    return value if field.kind == "object" else to_field_array(value, field, rows, where)
 
 
 def _column(value: Any, field: Field, rows: int) -> Any:

@@ -406,8 +406,6 @@ def _varying(dataset: Any, names: list[str]) -> set[str]:
 def _from_arrow(name: str, column: Any, rows: int, ragged: bool) -> Any:
     """An Arrow column as one array of ``rows`` rows, a Ragged (``ragged``: the
     outermost lists, of any length), or a list (strings, bytes)."""
-    import pyarrow as pa
-
     array = column.combine_chunks()
     if _column_kind(array.type) == "object":
         return array.to_pylist()

@@ -35,7 +35,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-__all__ = ["Field", "parse_fields", "to_field_array"]
+__all__ = ["Field", "field_value", "parse_fields", "to_field_array"]
 
 # Kinds a weak Python value may be written into, by the kind of its values.
 _WEAK_KINDS = {"b": "biufc", "i": "iufc", "f": "fc", "c": "c"}
@@ -159,6 +159,12 @@ def _parse_shape(shape_spec: Any, where: str) -> tuple[int, ...]:
             raise ValueError(f"{where}: dimension {axis} must be positive, got {value}")
         shape.append(value)
     return tuple(shape)
+
+
+def field_value(value: Any, field: Field, rows: int | None, where: str) -> Any:
+    """A leaf's value for a put: converted to its field (see to_field_array),
+    or for an object field as it is (objects travel by reference)."""
+    return value if field.kind == "object" else to_field_array(value, field, rows, where)
 
 
 def to_field_array(value: Any, field: Field, rows: int | None, where: str) -> np.ndarray:

@@ -17,7 +17,7 @@ import numpy as np
 
 from .chunks import map_reader
 from .config import LoaderConfig
-from .fields import to_field_array
+from .fields import field_value
 from .order import epoch_order
 from .ragged import stack_leaf
 from .stage import stop_iteration_error
@@ -116,8 +116,7 @@ def stack(structure: Structure, examples: list[list]) -> tuple[Any, ...]:
     ragged rows, lists of objects), converted to the structure's fields as a
     put would."""
     return tuple(
-        stack_leaf([leaves[i] if f.kind == "object" else to_field_array(leaves[i], f, None, "resume")
-                    for leaves in examples], f.kind, f.dtype, f.shape)
+        stack_leaf([field_value(leaves[i], f, None, "resume") for leaves in examples], f.kind, f.dtype, f.shape)
         for i, f in enumerate(structure.fields())
     )
 
