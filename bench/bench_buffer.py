@@ -134,7 +134,8 @@ class SteadyRate:
         return {"examples": n1 - n0, "seconds": t1 - t0, "ex_s": (n1 - n0) / (t1 - t0)}
 
 
-def run_dataecho(case: Case, echo: float, src: np.ndarray, seconds: float) -> dict:
+def run_dataecho(case: Case, echo: float, src: np.ndarray, seconds: float, hold: bool | str = True,
+                 per_example: bool = False) -> dict:
     """Runs the ShuffleBuffer workload for about ``seconds`` plus the drain.
 
     Args:
@@ -142,6 +143,12 @@ def run_dataecho(case: Case, echo: float, src: np.ndarray, seconds: float) -> di
         echo: echo factor.
         src: source rows, put in chunks of ``case.chunk`` and cycled over.
         seconds: how long the producer keeps putting before it closes the buffer.
+        hold: the buffer's ``hold``. True (the default here): ``put_many``
+            hands over views of ``src``, memory that lives anyway, and the
+            buffer gathers batches straight from them; False copies each
+            example into a slot first.
+        per_example: put each chunk's rows as one array each (one native call
+            per chunk, as EchoLoader's readers do) instead of stacked.
 
     Returns:
         ``examples`` delivered, ``seconds`` of wall time, ``ex_s`` and the buffer's ``stats``.
@@ -152,13 +159,19 @@ def run_dataecho(case: Case, echo: float, src: np.ndarray, seconds: float) -> di
         batch_size=case.batch_size,
         echo_factor=echo,
         seed=0,
+        hold=hold,
     )
+    native = buf._native  # the per-example form goes through the loader's own entry point
     stop = threading.Event()
 
     def produce() -> None:
         start = 0
         while not stop.is_set():
-            buf.put_many(src[start : start + case.chunk])
+            chunk = src[start : start + case.chunk]
+            if per_example:
+                native.put_each([list(chunk)], len(chunk))
+            else:
+                buf.put_many(chunk)
             start = (start + case.chunk) % len(src)
         buf.close()
 

@@ -48,14 +48,15 @@ inline std::vector<FieldSpec> field_specs(const std::vector<FieldDecl>& fields) 
   return specs;
 }
 
-inline ExampleLayout example_layout(const std::vector<FieldSpec>& specs, std::size_t batch_size) {
+inline ExampleLayout example_layout(const std::vector<FieldSpec>& specs, std::size_t batch_size,
+                                    std::size_t hold_min_bytes = 0) {
   std::vector<std::size_t> bytes;
   std::vector<bool> ragged;
   for (const FieldSpec& spec : specs) {
     bytes.push_back(spec.bytes);
     ragged.push_back(spec.ragged);
   }
-  return ExampleLayout(std::move(bytes), batch_size, std::move(ragged));
+  return ExampleLayout(std::move(bytes), batch_size, std::move(ragged), hold_min_bytes);
 }
 
 inline std::size_t ragged_count(const std::vector<FieldSpec>& specs) {

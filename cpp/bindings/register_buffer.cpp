@@ -19,6 +19,7 @@
 #include "blocking.hpp"
 #include "dataecho/shuffle_buffer.hpp"
 #include "fields.hpp"
+#include "held.hpp"
 
 namespace dataecho::py_binding {
 
@@ -30,7 +31,8 @@ class PyBuffer {
            std::shared_ptr<BlockCache> cache)
       : specs_(field_specs(fields)) {
     if (restore) config.restore = std::make_shared<const Snapshot>(std::move(*restore));
-    ExampleLayout layout = example_layout(specs_, config.batch_size);
+    // Pointers into this process's objects mean nothing to worker processes.
+    ExampleLayout layout = example_layout(specs_, config.batch_size, config.shared ? 0 : config.hold_min_bytes);
     if (!layout.ragged_fields().empty() && config.pages == 0)
       throw py::value_error("config: ragged fields need a page heap (pages, page_bytes)");
     if (config.pages != 0 && (layout.ragged_fields().empty() || !std::has_single_bit(config.page_bytes) ||
@@ -44,38 +46,59 @@ class PyBuffer {
   }
 
   // `arrays` is borrowed (see blocking.hpp): the caller's list keeps it alive.
-  py::object put(py::handle arrays, std::optional<double> timeout_s, std::uint64_t seq) {
+  // `hold`: the values of holdable fields are held by reference (layout.hpp),
+  // their arrays kept alive until their last echo is gathered.
+  py::object put(py::handle arrays, std::optional<double> timeout_s, std::uint64_t seq, bool hold) {
     ShuffleBuffer& core = live();
     const Rows rows = field_pointers(specs_, arrays, std::nullopt);
     check_fit(core.producer(), rows, 1, ragged_count(specs_));
-    return status_object(call_blocking(
-        [&](Deadline d) { return core.producer().put(rows.pointers.data(), d, seq, rows.lengths.data()); },
-        timeout_s));
+    const std::vector<std::uint64_t> owners = hold ? take_holds(arrays, 1, 0) : std::vector<std::uint64_t>{};
+    const Status status = call_blocking(
+        [&](Deadline d) {
+          return core.producer().put(rows.pointers.data(), d, seq, rows.lengths.data(), held_or_null(owners));
+        },
+        timeout_s);
+    if (status != Status::kOk) give_back_holds(owners, 1, 0);  // not put: nothing holds them
+    return status_object(status);
   }
 
   std::pair<py::object, std::size_t> put_many(py::handle arrays, std::size_t n, std::optional<double> timeout_s,
-                                          std::uint64_t first_seq) {
+                                              std::uint64_t first_seq, bool hold) {
     ShuffleBuffer& core = live();
     const Rows rows = field_pointers(specs_, arrays, n);
+    std::vector<std::uint64_t> owners;
+    if (hold)
+      for (std::size_t f : core.layout().holdable_fields()) {
+        make_read_only(PyList_GET_ITEM(arrays.ptr(), f));
+        owners.push_back(holdings_.hold(PyList_GET_ITEM(arrays.ptr(), f), n));
+      }
     std::size_t done = 0;
     const Status status = call_blocking(
-        [&](Deadline d) { return core.producer().put_many(rows.pointers.data(), n, done, d, first_seq); },
+        [&](Deadline d) {
+          return core.producer().put_many(rows.pointers.data(), n, done, d, first_seq, held_or_null(owners));
+        },
         timeout_s);
+    for (std::uint64_t owner : owners) holdings_.release(owner, n - done);
     return {status_object(status), done};
   }
 
-  // Rows [done, n) of `columns` (see row_pointers), row i tagged first_seq + i.
+  // Rows [done, n) of `columns` (see row_pointers), row i tagged first_seq + i;
+  // `hold`: as put()'s.
   std::pair<py::object, std::size_t> put_each(py::handle columns, std::size_t n, std::optional<double> timeout_s,
-                                              std::uint64_t first_seq, std::size_t done) {
+                                              std::uint64_t first_seq, std::size_t done, bool hold) {
     ShuffleBuffer& core = live();
     const Rows rows = row_pointers(specs_, columns, n);
     if (done > n) throw py::value_error("done: more than rows");
     check_fit(core.producer(), rows, n, ragged_count(specs_));
+    const std::size_t first = done;
+    const std::vector<std::uint64_t> owners = hold ? take_holds(columns, n, first) : std::vector<std::uint64_t>{};
     const Status status = call_blocking(
         [&](Deadline d) {
-          return core.producer().put_each(rows.pointers.data(), n, done, d, first_seq, rows.lengths.data());
+          return core.producer().put_each(rows.pointers.data(), n, done, d, first_seq, rows.lengths.data(),
+                                          held_or_null(owners));
         },
         timeout_s);
+    give_back_holds(owners, n, done);
     return {status_object(status), done};
   }
 
@@ -88,6 +111,7 @@ class PyBuffer {
     if (status != Status::kOk) return {status_object(status), py::none()};
     last_seqs_ = std::move(batch.seqs);
     last_released_ = std::move(batch.released);
+    holdings_.release_all(batch.unheld);  // their last echoes are in this batch or an earlier one
     return {status_object(status), batch_arrays(batch.lease, batch.rows)};
   }
 
@@ -159,6 +183,7 @@ class PyBuffer {
   }
 
   const ShuffleBuffer& core() const { return live(); }
+  const Holdings& holdings() const noexcept { return holdings_; }
   ShuffleBuffer& core() { return live(); }
 
   // (produced, busy_ns) of each of the first `workers` worker processes.
@@ -189,6 +214,43 @@ class PyBuffer {
   void abandon_after_fork() noexcept { (void)core_.release(); }
 
  private:
+  // Holds for rows [first, n) of a put's holdable fields, row-major (H per
+  // row): the owner of a row's value is its array in a list column, else the
+  // column's array itself (stacked rows, or the source of (array, indices)).
+  // The entries of rows before `first` are 0 (not read). Arrays handed over
+  // are made read-only; the source of (array, indices) stays as it is (it is
+  // the caller's dataset: its rows must not change while held).
+  std::vector<std::uint64_t> take_holds(py::handle columns, std::size_t n, std::size_t first) {
+    const auto& holdable = live().layout().holdable_fields();
+    std::vector<std::uint64_t> owners(n * holdable.size(), 0);
+    for (std::size_t h = 0; h < holdable.size(); ++h) {
+      PyObject* column = PyList_GET_ITEM(columns.ptr(), holdable[h]);
+      if (PyList_Check(column)) {
+        for (std::size_t i = first; i < n; ++i) {
+          make_read_only(PyList_GET_ITEM(column, i));
+          owners[i * holdable.size() + h] = holdings_.hold(PyList_GET_ITEM(column, i), 1);
+        }
+        continue;
+      }
+      if (!PyTuple_Check(column)) make_read_only(column);
+      PyObject* owner = PyTuple_Check(column) ? PyTuple_GET_ITEM(column, 0) : column;
+      const std::uint64_t handle = holdings_.hold(owner, n - first);
+      for (std::size_t i = first; i < n; ++i) owners[i * holdable.size() + h] = handle;
+    }
+    return owners;
+  }
+
+  // Gives back the holds of rows [done, n): those the put did not store.
+  void give_back_holds(const std::vector<std::uint64_t>& owners, std::size_t n, std::size_t done) {
+    if (owners.empty()) return;
+    const std::size_t per_row = owners.size() / n;
+    for (std::size_t i = done * per_row; i < owners.size(); ++i) holdings_.release(owners[i]);
+  }
+
+  static const std::uint64_t* held_or_null(const std::vector<std::uint64_t>& owners) {
+    return owners.empty() ? nullptr : owners.data();
+  }
+
   // One array per field over the batch block of `lease`, whose Python owner is
   // every array's base: the block returns to the pool when the last one dies.
   // A ragged field gives (values, offsets): its packed rows, over the lease's
@@ -239,6 +301,7 @@ class PyBuffer {
   std::vector<FieldSpec> specs_;
   std::vector<std::uint64_t> last_seqs_;
   std::vector<std::uint64_t> last_released_;
+  Holdings holdings_;                    // after core_ is gone: nothing reads held values then
   std::unique_ptr<ShuffleBuffer> core_;  // destroyed (stopped and joined) first
 };
 
@@ -258,9 +321,10 @@ void register_buffer(py::module_& m) {
       .def(py::init<const std::vector<FieldDecl>&, BufferConfig, std::optional<Snapshot>,
                     std::shared_ptr<BlockCache>>(),
            py::arg("fields"), py::arg("config"), py::arg("restore") = py::none(), py::arg("cache") = nullptr)
-      .def("put", &PyBuffer::put, py::arg("arrays"), py::arg("timeout_s"), py::arg("seq") = 0)
+      .def("put", &PyBuffer::put, py::arg("arrays"), py::arg("timeout_s"), py::arg("seq") = 0,
+           py::arg("hold") = false)
       .def("put_many", &PyBuffer::put_many, py::arg("arrays"), py::arg("rows"), py::arg("timeout_s"),
-           py::arg("first_seq") = 0)
+           py::arg("first_seq") = 0, py::arg("hold") = false)
       .def("next", &PyBuffer::next, py::arg("timeout_s"))
       .def_property_readonly("last_seqs", &PyBuffer::last_seqs)
       .def_property_readonly("last_released", &PyBuffer::last_released)
@@ -270,7 +334,11 @@ void register_buffer(py::module_& m) {
       .def("stop", [](PyBuffer& b) { b.core().stop(); })  // quick: flags and wake-ups only
       .def("stats", [](const PyBuffer& b) { return b.core().stats(); })
       .def("put_each", &PyBuffer::put_each, py::arg("columns"), py::arg("rows"), py::arg("timeout_s"),
-           py::arg("first_seq") = 0, py::arg("done") = 0)
+           py::arg("first_seq") = 0, py::arg("done") = 0, py::arg("hold") = false)
+      .def_property_readonly("held_values", [](const PyBuffer& b) { return b.holdings().values(); })
+      .def_property_readonly("held_owners", [](const PyBuffer& b) { return b.holdings().owners(); })
+      .def_property_readonly("holdable_fields",
+                             [](const PyBuffer& b) { return b.core().layout().holdable_fields(); })
       .def("claim_range", [](PyBuffer& b, std::uint64_t count) { return b.core().producer().claim_range(count); },
            py::arg("count"))
       .def("set_index_range",

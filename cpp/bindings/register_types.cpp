@@ -51,7 +51,8 @@ void register_config(py::module_& m) {
       .def_readwrite("in_order", &BufferConfig::in_order)
       .def_readwrite("pages", &BufferConfig::pages)
       .def_readwrite("page_bytes", &BufferConfig::page_bytes)
-      .def_readwrite("key_field", &BufferConfig::key_field);
+      .def_readwrite("key_field", &BufferConfig::key_field)
+      .def_readwrite("hold_min_bytes", &BufferConfig::hold_min_bytes);
 }
 
 void register_stats(py::module_& m) {

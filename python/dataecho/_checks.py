@@ -92,3 +92,10 @@ def timeout(value: Any) -> float | None:
     if math.isnan(seconds) or seconds < 0:
         raise ValueError(f"timeout: expected None or a non-negative number of seconds, got {value!r}")
     return None if math.isinf(seconds) else seconds
+
+
+def hold(value: Any) -> bool | str:
+    """Returns ``value`` if it is True, False or ``"auto"`` (a buffer's ``hold``)."""
+    if value is True or value is False or (isinstance(value, str) and value == "auto"):
+        return value
+    raise ValueError(f"hold: expected True, False or 'auto', got {value!r}")

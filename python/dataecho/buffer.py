@@ -5,6 +5,21 @@ naming what is wrong, and keeps to one consumer thread. ``NativeBuffer`` is
 what dataecho's own pipeline stages use: named methods over the compiled
 buffer, for callers that hand it a validated configuration and converted
 arrays.
+
+Holding: a put may hand over a large value (a field of ``HOLD_MIN_BYTES`` or
+more per example) by reference instead of having it copied into a slot. The
+buffer then keeps the array alive, gathers each batch straight from it (one
+copy per example instead of two), and lets go of it with the batch that holds
+the example's last echo. ``ShuffleBuffer(hold="auto")`` holds what ``put``
+hands over and copies ``put_many``'s stacked rows, so that a stacked array is
+not kept alive for the sake of one row; ``hold=True`` holds those too (each
+stacked array until the last echo of its last row: best for views of memory
+that lives anyway, such as a dataset array); ``hold=False`` always copies. A
+held array is made read-only, so a write through it raises; its memory must not
+be changed through another view (or a torch tensor that shares it) until the
+example's last echo is delivered. EchoLoader holds what a dataset returns and
+the rows of an in-memory source array (never changing that array); worker
+processes copy.
 """
 
 from __future__ import annotations
@@ -32,6 +47,10 @@ _STATS = ("fresh", "delivered", "batches", "dropped", "evicted", "resident", "fr
           "pages", "pages_in_use", "starved", "producer_wait_s", "consumer_wait_s")
 _live: weakref.WeakSet[NativeBuffer] = weakref.WeakSet()
 MAX_PAGE_FOR_DEFAULT = 1 << 16  # the largest page chosen by default (bigger examples take several)
+# Fields of at least this many bytes per example can be held by reference
+# instead of copied into a slot (see NativeBuffer's ``hold``). Below it the
+# copy costs less than the bookkeeping: bench/bench_hold.py measures the crossover.
+HOLD_MIN_BYTES = 4096
 
 
 def buffer_config(**values: Any) -> _core.BufferConfig:
@@ -105,11 +124,24 @@ class NativeBuffer:
             freed, for the next buffer of the same size (a loader's next epoch).
         objects: how object fields travel: ``"key"`` (by reference) or
             ``"pickle"`` (the buffer is shared with worker processes).
+        hold: how values of fields of ``HOLD_MIN_BYTES`` or more get in:
+            ``"auto"``: arrays of one example each (``put_values``, list columns
+            of ``put_each``) and rows of an in-memory source array given as
+            (array, indices) are held by reference, and the batch is gathered
+            straight from them (one copy per example, not two); stacked arrays
+            (``put_many_arrays``, stacked columns) and memory-mapped sources are
+            copied into slots, so that no stacked array stays alive for the
+            sake of one row. ``True``: stacked arrays are held too. ``False``:
+            everything is copied. A held array is made read-only and kept alive
+            until its last echo is gathered; a source array is not changed and
+            must not be written meanwhile. Shared buffers copy.
     """
 
     def __init__(self, fields: list[Field], config: _core.BufferConfig, restore: _core.Snapshot | None = None,
-                 cache: _core.BlockCache | None = None, objects: str = "key"):
+                 cache: _core.BlockCache | None = None, objects: str = "key", hold: bool | str = "auto"):
         self.fields = fields
+        self.hold = hold
+        config.hold_min_bytes = HOLD_MIN_BYTES if hold else 0
         self.page_bytes = config.page_bytes  # of the page heap for ragged values (0: none)
         self.capacity = config.capacity
         self._map = LeafMap(fields, objects)
@@ -125,6 +157,7 @@ class NativeBuffer:
                 f"({config.capacity * example / 2**30:.1f} GiB) and {config.pages * config.page_bytes} bytes "
                 f"for ragged values; lower capacity (or ragged_bytes)"
             ) from None
+        self._holdable = list(self._core.holdable_fields)  # native field indices
         self._pid = os.getpid()
         self.forked = False  # set in a forked child by _forget_after_fork: no syscall per call
         _live.add(self)
@@ -140,7 +173,7 @@ class NativeBuffer:
         """Puts one example given as one converted array per field (object
         fields: the objects themselves)."""
         self.check_process()
-        status = self._core.put(self._map.example(arrays), timeout_s, seq)
+        status = self._core.put(self._map.example(arrays), timeout_s, seq, bool(self._holdable))
         if status == _CLOSED:
             raise BufferClosed("put(): the ShuffleBuffer is closed")
         if status == _TIMEOUT:
@@ -150,7 +183,7 @@ class NativeBuffer:
         """Puts `rows` stacked examples; on failure the exception's
         ``examples_put`` says how many went in."""
         self.check_process()
-        status, done = self._core.put_many(arrays, rows, timeout_s, 0)
+        status, done = self._core.put_many(arrays, rows, timeout_s, 0, self.hold is True and bool(self._holdable))
         if status != _OK:
             raise _put_many_error(status, done, rows, timeout_s)
 
@@ -165,10 +198,30 @@ class NativeBuffer:
             BufferClosed: the buffer was closed or stopped.
         """
         self.check_process()
-        status, done = self._core.put_each(columns, rows, timeout_s, first_seq, done)
+        status, done = self._core.put_each(columns, rows, timeout_s, first_seq, done, self._holds(columns))
         if status == _CLOSED:
             raise BufferClosed("put(): the ShuffleBuffer is closed")
         return done
+
+    def _holds(self, columns: list) -> bool:
+        """Whether a ``put_each`` of ``columns`` holds its holdable fields' values (see ``hold``)."""
+        if not self._holdable or self.hold is False:
+            return False
+        if self.hold is True:
+            return True
+        for f in self._holdable:
+            column = columns[f]
+            if isinstance(column, tuple):
+                if isinstance(column[0], np.memmap):
+                    return False
+            elif not isinstance(column, list):
+                return False
+        return True
+
+    @property
+    def held(self) -> int:
+        """Values (one per example and held field) held by reference now."""
+        return self._core.held_values
 
     def native_columns(self, columns: list) -> list:
         """Columns of ``put_each`` given one per field: the object fields'
@@ -301,12 +354,12 @@ class ShuffleBuffer:
     """A bounded shuffle buffer that echoes examples and yields shuffled batches.
 
     Producers (any number of threads) ``put`` examples; each is copied once into
-    a native slot and repeated ``echo_factor`` times on average (``floor(e)``
-    times plus one more with probability ``e - floor(e)``). A native thread
-    draws uniformly among the resident examples, without replacement within a
-    batch, and copies them into batch memory that the yielded arrays view
-    without a further copy. A batch stays valid, unchanged, for as long as any
-    of its arrays is alive.
+    a native slot (or, if large, held by reference: see ``hold``) and repeated
+    ``echo_factor`` times on average (``floor(e)`` times plus one more with
+    probability ``e - floor(e)``). A native thread draws uniformly among the
+    resident examples, without replacement within a batch, and copies them into
+    batch memory that the yielded arrays view without a further copy. A batch
+    stays valid, unchanged, for as long as any of its arrays is alive.
 
     Args:
         fields: ``(shape, dtype)`` for plain array examples, or a mapping
@@ -331,6 +384,10 @@ class ShuffleBuffer:
         ragged_bytes: memory for the values of ragged fields of the examples in
             the buffer (default: 1 KiB per slot). While it is full, a put waits
             and batches are drawn from fewer resident examples.
+        hold: ``"auto"`` (default), True or False: whether values of 4 KiB
+            or more are held by reference instead of copied into a slot (see
+            "Holding" in this module's docstring): ``"auto"`` holds what
+            ``put`` hands over, True also ``put_many``'s stacked arrays.
 
     Raises:
         TypeError, ValueError: a bad argument, named in the message.
@@ -348,8 +405,10 @@ class ShuffleBuffer:
         initial: int | None = None,
         max_echo: float = 4.0,
         ragged_bytes: int | None = None,
+        hold: bool | str = "auto",
     ) -> None:
         self._fields, self._single = parse_fields(fields)
+        hold = _checks.hold(hold)
         capacity = _checks.positive_int("capacity", capacity, _core.MAX_CAPACITY)
         batch_size = _checks.positive_int("batch_size", batch_size)
         if batch_size > capacity:
@@ -368,8 +427,8 @@ class ShuffleBuffer:
         if any(f.ragged for f in self._fields):
             budget = capacity * 1024 if ragged_bytes is None else _checks.positive_int("ragged_bytes", ragged_bytes)
             config.pages, config.page_bytes = page_heap(budget, budget / capacity)
-        self._native = NativeBuffer(self._fields, config)
-        self.capacity, self.batch_size, self.max_echo = capacity, batch_size, max_echo
+        self._native = NativeBuffer(self._fields, config, hold=hold)
+        self.capacity, self.batch_size, self.max_echo, self.hold = capacity, batch_size, max_echo, hold
         self.echo_factor: float | str = "auto" if auto_echo else echo
         self.drop_last, self.prefetch = config.drop_last, config.prefetch
         self.initial = self._native.initial
@@ -399,10 +458,16 @@ class ShuffleBuffer:
         4096-byte ones for examples of 4 KiB or more)."""
         return self._native.slot_bytes
 
+    @property
+    def held(self) -> int:
+        """Values held by reference now (see ``hold``), one per example and field."""
+        return self._native.held
+
     # ---- producers ----
 
     def put(self, example: Any, timeout: float | None = None) -> None:
-        """Copies one example into the buffer; blocks while it is full.
+        """Puts one example into the buffer (copied, or held: see ``hold``);
+        blocks while it is full.
 
         Args:
             example: a dict ``name -> array`` (or one array for a single field),
@@ -418,7 +483,8 @@ class ShuffleBuffer:
         self._native.put_arrays(self._arrays(example, None, "put()"), _checks.timeout(timeout))
 
     def put_many(self, examples: Any, timeout: float | None = None) -> None:
-        """Copies n stacked examples (leading axis n) into the buffer.
+        """Puts n stacked examples (leading axis n) into the buffer (copied,
+        or held with ``hold=True``).
 
         Args:
             examples: a dict ``name -> array`` with a leading axis of the same
@@ -432,7 +498,7 @@ class ShuffleBuffer:
             TypeError, ValueError, OverflowError: the examples do not fit.
         """
         self._native.check_process()
-        rows = self._rows(examples)
+        rows = _rows(examples, self._fields, self._single)
         if rows == 0:
             return
         if all(f.kind == "array" for f in self._fields):
@@ -522,30 +588,30 @@ class ShuffleBuffer:
             )
         return [field_value(example[f.name], f, rows, where) for f in self._fields]
 
-    def _rows(self, examples: Any) -> int:
-        if not self._single and isinstance(examples, Mapping) and self._names[0] in examples:
-            first = examples[self._names[0]]
-            if isinstance(first, (Ragged, list)) and self._fields[0].kind != "array":
-                return len(first)
-        elif isinstance(examples, (Ragged, list)) and self._fields[0].kind != "array":
-            return len(examples)
-        first = examples if self._single else None
-        if not self._single:
-            if not isinstance(examples, Mapping):
-                raise TypeError(
-                    f"put_many(): expected a dict of stacked arrays with fields {self._names}, "
-                    f"got {type(examples).__name__}"
-                )
-            first = examples.get(self._names[0])
-        try:
-            shape = np.shape(first) if first is not None else ()
-        except (TypeError, ValueError) as exc:  # ragged lists, say
+
+def _rows(examples: Any, fields: list[Field], single: bool) -> int:
+    """How many stacked examples ``put_many`` was given (checking their form)."""
+    names = [f.name for f in fields]
+    if not single and isinstance(examples, Mapping) and names[0] in examples:
+        first = examples[names[0]]
+        if isinstance(first, (Ragged, list)) and fields[0].kind != "array":
+            return len(first)
+    elif isinstance(examples, (Ragged, list)) and fields[0].kind != "array":
+        return len(examples)
+    first = examples if single else None
+    if not single:
+        if not isinstance(examples, Mapping):
             raise TypeError(
-                f"put_many(): {self._fields[0].label()} could not be read as stacked arrays: {exc}"
-            ) from None
-        if len(shape) < 1:
-            raise ValueError("put_many(): expected stacked arrays with a leading axis of examples")
-        return int(shape[0])
+                f"put_many(): expected a dict of stacked arrays with fields {names}, got {type(examples).__name__}"
+            )
+        first = examples.get(names[0])
+    try:
+        shape = np.shape(first) if first is not None else ()
+    except (TypeError, ValueError) as exc:  # ragged lists, say
+        raise TypeError(f"put_many(): {fields[0].label()} could not be read as stacked arrays: {exc}") from None
+    if len(shape) < 1:
+        raise ValueError("put_many(): expected stacked arrays with a leading axis of examples")
+    return int(shape[0])
 
 
 def _column(value: Any, field: Field, rows: int) -> Any:

@@ -190,7 +190,7 @@ class Assembler {
   // An empty batch on a block of the pool (with value blocks sized like the
   // last batch's, for ragged fields).
   Batch new_batch(std::size_t rows) {
-    Batch batch{pool_.lease(), rows, {}, {}};
+    Batch batch{pool_.lease(), rows, {}, {}, {}};
     if (config_.deterministic) batch.seqs.reserve(rows);  // one allocation per batch, not per row
     for (std::size_t r = 0; r < values_hint_.size(); ++r) {
       layout_.offsets(batch.lease->data(), layout_.ragged_fields()[r])[0] = 0;
@@ -201,7 +201,7 @@ class Assembler {
 
   void gather_row(Reservoir::Draw draw, Batch& batch, std::size_t row) {
     const std::byte* slot = region_.arena.slot(draw.slot);
-    layout_.gather(slot, batch.lease->data(), row);
+    layout_.gather(slot, region_.refs(draw.slot), batch.lease->data(), row);
     if (!values_hint_.empty()) gather_ragged(slot, batch, row);
     if (config_.deterministic) batch.seqs.push_back(region_.slot_seq[draw.slot]);  // for snapshots
     if (draw.last) release_slot(draw.slot);
@@ -212,6 +212,9 @@ class Assembler {
     for (std::size_t r = 0; r < values_hint_.size(); ++r) values_hint_[r] = batch.lease->values_used(r);
     batch.released = std::move(released_);
     released_.clear();
+    batch.unheld = std::move(unheld_);
+    unheld_.clear();
+    if (region_.held != nullptr) unheld_.reserve(config_.batch_size);  // no reallocation per row
     publish_resident();
     ready_.push(std::move(batch));
   }
@@ -231,6 +234,12 @@ class Assembler {
       released_.push_back(key);
     }
     if (!values_hint_.empty()) release_pages(bytes);
+    if (HeldRef* refs = region_.refs(slot)) {
+      for (std::size_t h = 0; h < region_.held_per_slot; ++h) {
+        if (refs[h].data != nullptr) unheld_.push_back(refs[h].owner);
+        refs[h] = HeldRef{nullptr, 0};
+      }
+    }
     poison(bytes, layout_.slot_stride());
     if (region_.free->try_push_quiet(slot)) return;
     block_until(region_.free->not_full(), Deadline::never(), [&] { return region_.free->try_push_quiet(slot); });
@@ -318,6 +327,7 @@ class Assembler {
   const std::size_t full_;
   std::vector<std::size_t> values_hint_;  // per ragged field: the last batch's value bytes
   std::vector<std::uint64_t> released_;   // keys of the examples freed since the last batch
+  std::vector<std::uint64_t> unheld_;     // owners of the held values freed since the last batch
 
   alignas(kCacheLine) std::atomic<std::uint64_t> dropped_{0};
   std::atomic<std::uint64_t> evicted_{0};

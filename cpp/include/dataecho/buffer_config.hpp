@@ -52,6 +52,10 @@ struct BufferConfig {
   // on the example's Python objects), or -1: keys of examples whose slots are
   // freed are reported with the next batch (Batch::released).
   std::int64_t key_field = -1;
+  // Fixed fields of at least this many bytes per example are holdable: a put
+  // may hand their values over by reference (layout.hpp). 0: none; private
+  // regions only (the binding applies it, when it builds the layout).
+  std::size_t hold_min_bytes = 0;
   // Resume (deterministic only): the assembler starts from this state, once the
   // resident examples it names have been put again with their numbers.
   std::shared_ptr<const Snapshot> restore;

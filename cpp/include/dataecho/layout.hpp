@@ -34,13 +34,22 @@ struct RaggedRef {
   std::uint32_t last;
 };
 
+// A holdable field's value for one slot: held at `data` for `owner` (a handle
+// the caller chose, never 0), or copied into the slot (data == nullptr).
+struct HeldRef {
+  const std::byte* data;
+  std::uint64_t owner;
+};
+
 class ExampleLayout {
  public:
   static constexpr std::size_t kFieldAlign = 16;
 
   // `field_bytes`: bytes of each field per example, or per row for a ragged
-  // field; `ragged`: which fields are ragged (empty: none).
-  ExampleLayout(std::vector<std::size_t> field_bytes, std::size_t batch_size, std::vector<bool> ragged = {})
+  // field; `ragged`: which fields are ragged (empty: none); fixed fields of at
+  // least `hold_min_bytes` are holdable (0: none).
+  ExampleLayout(std::vector<std::size_t> field_bytes, std::size_t batch_size, std::vector<bool> ragged = {},
+                std::size_t hold_min_bytes = 0)
       : field_bytes_(std::move(field_bytes)), ragged_(std::move(ragged)), batch_size_(batch_size) {
     DATAECHO_CHECK(!field_bytes_.empty() && batch_size_ >= 1);
     if (ragged_.empty()) ragged_.assign(field_bytes_.size(), false);
@@ -52,6 +61,9 @@ class ExampleLayout {
       slot_offsets_.push_back(offset);
       offset += ragged_[f] ? sizeof(RaggedRef) : field_bytes_[f];
       if (ragged_[f]) ragged_fields_.push_back(f);
+      const bool holdable = !ragged_[f] && hold_min_bytes != 0 && field_bytes_[f] >= hold_min_bytes;
+      held_index_.push_back(holdable ? holdable_fields_.size() : kNotHeld);
+      if (holdable) holdable_fields_.push_back(f);
     }
     example_bytes_ = offset;
     slot_stride_ = round_up(example_bytes_, alignment_for(example_bytes_));
@@ -72,6 +84,8 @@ class ExampleLayout {
   bool ragged(std::size_t f) const noexcept { return ragged_[f]; }
   // The ragged fields' indices, in order.
   const std::vector<std::size_t>& ragged_fields() const noexcept { return ragged_fields_; }
+  // The holdable fields' indices, in order: a slot has one HeldRef for each.
+  const std::vector<std::size_t>& holdable_fields() const noexcept { return holdable_fields_; }
   RaggedRef& ref(std::byte* slot, std::size_t f) const noexcept {
     return *std::launder(reinterpret_cast<RaggedRef*>(slot + slot_offsets_[f]));
   }
@@ -91,32 +105,53 @@ class ExampleLayout {
   std::size_t batch_align() const noexcept { return kPageAlign; }
 
   // Writes the fixed fields of one example, given one pointer per field, into
-  // a slot (ragged fields: see Producer).
-  void scatter(const void* const* fields, std::byte* slot) const noexcept {
+  // a slot (ragged fields: see Producer). `refs`: the slot's HeldRefs;
+  // `owners`: one per holdable field, the owner handle of a value handed over
+  // by reference, or 0 (or no owners at all) for a value to copy.
+  void scatter(const void* const* fields, std::byte* slot, HeldRef* refs = nullptr,
+               const std::uint64_t* owners = nullptr) const noexcept {
     for (std::size_t f = 0; f < field_bytes_.size(); ++f)
-      if (!ragged_[f]) std::memcpy(slot + slot_offsets_[f], fields[f], field_bytes_[f]);
+      if (!ragged_[f]) put_field(f, fields[f], slot, refs, owners);
   }
 
   // Same, for example `i` of stacked per-field arrays (no ragged fields).
-  void scatter_row(const void* const* fields, std::size_t i, std::byte* slot) const noexcept {
+  void scatter_row(const void* const* fields, std::size_t i, std::byte* slot, HeldRef* refs = nullptr,
+                   const std::uint64_t* owners = nullptr) const noexcept {
     for (std::size_t f = 0; f < field_bytes_.size(); ++f)
-      std::memcpy(slot + slot_offsets_[f],
-                  static_cast<const std::byte*>(fields[f]) + i * field_bytes_[f], field_bytes_[f]);
+      put_field(f, static_cast<const std::byte*>(fields[f]) + i * field_bytes_[f], slot, refs, owners);
   }
 
-  // Copies the fixed fields of the example in `slot` to row `row` of the batch
-  // at `batch` (ragged fields: see Assembler::gather_row).
-  void gather(const std::byte* slot, std::byte* batch, std::size_t row) const noexcept {
-    for (std::size_t f = 0; f < field_bytes_.size(); ++f)
-      if (!ragged_[f])
-        std::memcpy(batch + batch_offsets_[f] + row * field_bytes_[f], slot + slot_offsets_[f],
-                    field_bytes_[f]);
+  // Copies the fixed fields of the example in `slot` (its values held
+  // elsewhere, by `refs`, or in the slot) to row `row` of the batch at `batch`
+  // (ragged fields: see Assembler::gather_row).
+  void gather(const std::byte* slot, const HeldRef* refs, std::byte* batch, std::size_t row) const noexcept {
+    for (std::size_t f = 0; f < field_bytes_.size(); ++f) {
+      if (ragged_[f]) continue;
+      const std::size_t h = held_index_[f];
+      const std::byte* from = h != kNotHeld && refs[h].data != nullptr ? refs[h].data : slot + slot_offsets_[f];
+      std::memcpy(batch + batch_offsets_[f] + row * field_bytes_[f], from, field_bytes_[f]);
+    }
   }
 
  private:
+  static constexpr std::size_t kNotHeld = ~std::size_t{0};
+
+  void put_field(std::size_t f, const void* from, std::byte* slot, HeldRef* refs,
+                 const std::uint64_t* owners) const noexcept {
+    const std::size_t h = held_index_[f];
+    if (h != kNotHeld) {
+      const std::uint64_t owner = owners != nullptr ? owners[h] : 0;
+      refs[h] = HeldRef{owner != 0 ? static_cast<const std::byte*>(from) : nullptr, owner};
+      if (owner != 0) return;
+    }
+    std::memcpy(slot + slot_offsets_[f], from, field_bytes_[f]);
+  }
+
   std::vector<std::size_t> field_bytes_;
   std::vector<bool> ragged_;
   std::vector<std::size_t> ragged_fields_;
+  std::vector<std::size_t> holdable_fields_;
+  std::vector<std::size_t> held_index_;  // per field: its index among the holdable ones, or kNotHeld
   std::vector<std::size_t> slot_offsets_;
   std::vector<std::size_t> batch_offsets_;
   std::size_t batch_size_;

@@ -40,31 +40,36 @@ class Producer {
   // tagged with sequence number `seq` (its position in the input, for
   // deterministic intake; ignored otherwise). `rows`: the row count of each
   // ragged field, in order (none without ragged fields); every example's
-  // values must fit in the page heap (see fits()).
+  // values must fit in the page heap (see fits()). `owners`: one handle per
+  // holdable field (layout.hpp): a value whose handle is not 0 is held by
+  // reference, not copied, and must stay unchanged until the handle comes
+  // back with a batch (Batch::unheld); none: every value is copied.
   Status put(const void* const* fields, Deadline deadline, std::uint64_t seq = 0,
-             const std::uint64_t* rows = nullptr) {
+             const std::uint64_t* rows = nullptr, const std::uint64_t* owners = nullptr) {
     std::size_t done = 0;
-    return put_rows(fields, rows, 1, done, deadline, Rows::kOne, seq);
+    return put_rows(fields, rows, 1, done, deadline, Rows::kOne, seq, owners);
   }
 
   // Copies rows [done, n) of stacked per-field arrays, row i tagged first_seq + i;
   // `done` advances as rows land, so a call interrupted by a timeout can be
   // resumed where it stopped.
-  // No ragged fields.
+  // No ragged fields. `owners`: as put()'s, one per holdable field for every row.
   Status put_many(const void* const* fields, std::size_t n, std::size_t& done, Deadline deadline,
-                  std::uint64_t first_seq = 0) {
+                  std::uint64_t first_seq = 0, const std::uint64_t* owners = nullptr) {
     DATAECHO_CHECK(layout_.ragged_fields().empty());
-    return put_rows(fields, nullptr, n, done, deadline, Rows::kStacked, first_seq);
+    return put_rows(fields, nullptr, n, done, deadline, Rows::kStacked, first_seq, owners);
   }
 
   // Same, for rows given one pointer per field each, row-major: row i's fields
   // are rows[i * F], ..., rows[i * F + F - 1] for F fields. For examples that
   // are not stacked: gathered by index from a source, or one array each.
   // `lengths`: row i's ragged fields have lengths[i * R], ..., lengths[i * R + R - 1]
-  // rows, for R ragged fields (none without them).
+  // rows, for R ragged fields (none without them). `owners`: as put()'s, row
+  // i's at owners[i * H], ..., for H holdable fields (none: all copied).
   Status put_each(const void* const* rows, std::size_t n, std::size_t& done, Deadline deadline,
-                  std::uint64_t first_seq = 0, const std::uint64_t* lengths = nullptr) {
-    return put_rows(rows, lengths, n, done, deadline, Rows::kEach, first_seq);
+                  std::uint64_t first_seq = 0, const std::uint64_t* lengths = nullptr,
+                  const std::uint64_t* owners = nullptr) {
+    return put_rows(rows, lengths, n, done, deadline, Rows::kEach, first_seq, owners);
   }
 
   // Pages of the heap that an example with these ragged row counts takes.
@@ -121,10 +126,12 @@ class Producer {
   enum class Rows { kOne, kStacked, kEach };
 
   Status put_rows(const void* const* fields, const std::uint64_t* lengths, std::size_t n, std::size_t& done,
-                  Deadline deadline, Rows rows, std::uint64_t first_seq) {
+                  Deadline deadline, Rows rows, std::uint64_t first_seq, const std::uint64_t* owners) {
     RegionHeader& h = *region_.header;
     const std::size_t ragged = layout_.ragged_fields().size();
+    const std::size_t holdable = layout_.holdable_fields().size();
     DATAECHO_CHECK(ragged == 0 || lengths != nullptr);
+    DATAECHO_CHECK(owners == nullptr || region_.held != nullptr);  // private regions only
     h.in_flight.fetch_add(1, std::memory_order_seq_cst);  // (I1)
     Status status = Status::kOk;
     while (done < n) {
@@ -145,10 +152,11 @@ class Producer {
           break;
         }
       }
+      const std::uint64_t* held = owners == nullptr ? nullptr : owners + (rows == Rows::kEach ? done * holdable : 0);
       if (rows == Rows::kStacked)
-        layout_.scatter_row(fields, done, dst);
+        layout_.scatter_row(fields, done, dst, region_.refs(slot), held);
       else
-        layout_.scatter(example, dst);
+        layout_.scatter(example, dst, region_.refs(slot), held);
       region_.slot_seq[slot] = seq;  // published with the slot by the push below
       // Counted before its commit: whoever has a batch holding the example
       // (commit -> assembler -> ready queue -> consumer, each step ordering the

@@ -160,6 +160,13 @@ struct RegionView {
   std::uint64_t* slot_seq = nullptr;
   SlotArena arena;
   PageHeap heap;  // ragged values (no pages without ragged fields)
+  // The holdable fields' HeldRefs (layout.hpp), held_per_slot per slot, in this
+  // process's memory, since pointers mean nothing in another: private regions
+  // only, none otherwise. Written and read like slot bytes (P2 / C1).
+  HeldRef* held = nullptr;
+  std::size_t held_per_slot = 0;
+
+  HeldRef* refs(std::uint32_t slot) const noexcept { return held == nullptr ? nullptr : held + slot * held_per_slot; }
 
   // Builds a new region in `base`: header, both rings, every slot and page free.
   static RegionView create(std::byte* base, const ExampleLayout& layout, std::size_t capacity,

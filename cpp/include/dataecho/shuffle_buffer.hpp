@@ -122,15 +122,17 @@ class ShuffleBuffer {
   // ---- producers (any thread) ----
 
   // Copies one example (one pointer per field; `rows` per ragged field) into a
-  // slot and commits it.
-  Status put(const void* const* fields, Deadline deadline, const std::uint64_t* rows = nullptr) {
-    return producer_.put(fields, deadline, 0, rows);
+  // slot and commits it; `owners`: see Producer::put.
+  Status put(const void* const* fields, Deadline deadline, const std::uint64_t* rows = nullptr,
+             const std::uint64_t* owners = nullptr) {
+    return producer_.put(fields, deadline, 0, rows, owners);
   }
 
   // Copies rows [done, n) of stacked per-field arrays; `done` advances as rows
   // land, so a call interrupted by a timeout can be resumed where it stopped.
-  Status put_many(const void* const* fields, std::size_t n, std::size_t& done, Deadline deadline) {
-    return producer_.put_many(fields, n, done, deadline);
+  Status put_many(const void* const* fields, std::size_t n, std::size_t& done, Deadline deadline,
+                  const std::uint64_t* owners = nullptr) {
+    return producer_.put_many(fields, n, done, deadline, 0, owners);
   }
 
   // Puts with sequence numbers, claims of map-style positions (see producer.hpp).
@@ -268,7 +270,14 @@ class ShuffleBuffer {
     // - 1 resident), that leaves at least two free slots, one for the example
     // being waited for: intake cannot deadlock.
     const std::uint64_t window = config_.deterministic ? config_.batch_size : 0;
-    return RegionView::create(base, layout_, config_.capacity, config_.shared, window, heap);
+    RegionView view = RegionView::create(base, layout_, config_.capacity, config_.shared, window, heap);
+    if (const std::size_t per_slot = layout_.holdable_fields().size(); per_slot != 0) {
+      DATAECHO_CHECK(!config_.shared);
+      held_ = std::make_unique<HeldRef[]>(config_.capacity * per_slot);  // value-initialized: none held
+      view.held = held_.get();
+      view.held_per_slot = per_slot;
+    }
+    return view;
   }
 
   static std::uint64_t elapsed_ns(Clock::time_point start) noexcept {
@@ -310,6 +319,7 @@ class ShuffleBuffer {
   std::shared_ptr<BlockCache> cache_;   // see the constructor
   std::optional<SharedMemory> shared_;  // the region, when shared
   Block private_;                       // the region, when private
+  std::unique_ptr<HeldRef[]> held_;     // the region's HeldRefs, with holdable fields
   RegionView region_;
   Producer producer_;                   // this process's puts
   std::shared_ptr<BatchPool> pool_;
