@@ -1289,6 +1289,86 @@ std::string test_buffer_put_each() {
   return s.str();
 }
 
+// Held values: the payload field is holdable; two rows in three are handed
+// over by reference (owner = id + 1), the rest copied. Every owner comes back
+// exactly once, with or after the batch of its example's last echo: the
+// consumer then overwrites the row it was held from, so a gather from it after
+// that would show as a corrupt payload (and as a race under TSan).
+std::string test_buffer_held() {
+  const std::uint64_t n = std::max<std::uint64_t>(6000, g_options.items / 200);
+  std::vector<std::uint64_t> ids(n);
+  for (std::uint64_t i = 0; i < n; ++i) ids[i] = i;
+  Rows table(ids);
+  constexpr std::uint32_t kProducers = 4;
+  for (const double echo : {1.0, 2.0, 1.5}) {
+    for (std::uint64_t i = 0; i < n; ++i) payload_of(i, &table.payloads[i * kPayload]);
+    BufferConfig config = make_config(128, 16, echo, run_seed(4400) + static_cast<std::uint64_t>(echo * 2));
+    ShuffleBuffer buf(ExampleLayout({8, kPayload}, 16, {}, kPayload), config);
+    CHECK(buf.layout().holdable_fields() == std::vector<std::size_t>{1});
+    buf.set_index_range(0, n);
+    Consumer consumer(buf, n);
+    std::vector<std::uint32_t> returned(n, 0), delivered_then(n, 0);
+    std::uint64_t held = 0;
+    Errors errors;
+    std::atomic<std::uint32_t> running{kProducers};
+    {
+      Threads producers([&] { buf.stop(); });
+      for (std::uint32_t p = 0; p < kProducers; ++p)
+        producers.spawn([&, p] {
+          Rng rng(run_seed(4401) ^ (0x9E37ull * (p + 1)));
+          for (;;) {
+            const auto [first, count] = buf.producer().claim_range(1 + rng.below(40));
+            if (count == 0) break;
+            std::vector<const void*> rows(count * 2);
+            std::vector<std::uint64_t> owners(count);
+            for (std::uint64_t i = 0; i < count; ++i) {
+              rows[i * 2] = &table.ids[first + i];
+              rows[i * 2 + 1] = &table.payloads[(first + i) * kPayload];
+              owners[i] = (first + i) % 3 == 0 ? 0 : first + i + 1;
+            }
+            std::size_t done = 0;
+            const Status st =
+                buf.producer().put_each(rows.data(), count, done, Deadline::never(), first, nullptr, owners.data());
+            if (st != Status::kOk || done != count) {
+              errors.add("producer " + std::to_string(p) + ": status " + std::to_string(static_cast<int>(st)));
+              break;
+            }
+          }
+          if (running.fetch_sub(1, std::memory_order_acq_rel) == 1) buf.close();
+        });
+      Batch batch;
+      for (;;) {
+        const Status st = buf.next(batch, Deadline::after_seconds(g_options.timeout_s));
+        if (st == Status::kClosed) break;
+        CHECK_MSG(st == Status::kOk, "next() returned status " << static_cast<int>(st));
+        consumer.take(batch, false);
+        for (const std::uint64_t owner : batch.unheld) {
+          CHECK_MSG(owner >= 1 && owner <= n && (owner - 1) % 3 != 0, "unexpected owner " << owner);
+          ++returned[owner - 1];
+          delivered_then[owner - 1] = consumer.counts[owner - 1];
+          std::memset(&table.payloads[(owner - 1) * kPayload], 0xDB, kPayload);  // no longer read by anyone
+          ++held;
+        }
+      }
+      producers.join();
+    }
+    CHECK_MSG(errors.count() == 0, errors.summary());
+    for (std::uint64_t i = 0; i < n; ++i) {
+      CHECK_MSG(consumer.counts[i] >= 1, "id " << i << " never came");
+      if (echo == static_cast<double>(static_cast<std::uint32_t>(echo)))
+        CHECK_MSG(consumer.counts[i] == static_cast<std::uint32_t>(echo), "id " << i << " came " << consumer.counts[i] << " times");
+      if (i % 3 == 0) continue;
+      CHECK_MSG(returned[i] == 1, "owner of id " << i << " came back " << returned[i] << " times");
+      CHECK_MSG(delivered_then[i] == consumer.counts[i], "id " << i << " delivered after its owner came back");
+    }
+    CHECK(buf.free_slots() == 128);
+    CHECK_MSG(held == n - (n + 2) / 3, held << " owners came back");
+  }
+  std::ostringstream s;
+  s << kProducers << " producers, " << n << " ids, two in three held by reference, echo 1, 2, 1.5: each owner back once, after its last echo";
+  return s.str();
+}
+
 // Deadlines: next() on an empty open buffer times out; a put on a full buffer
 // times out and put_many resumes where it stopped.
 std::string test_buffer_timeouts() {
@@ -1920,6 +2000,7 @@ const Test kTests[] = {
     {"buffer_deterministic", test_buffer_deterministic},
     {"buffer_in_order", test_buffer_in_order},
     {"buffer_put_each", test_buffer_put_each},
+    {"buffer_held", test_buffer_held},
     {"buffer_snapshot", test_buffer_snapshot},
     {"buffer_timeouts", test_buffer_timeouts},
     {"buffer_close", test_buffer_close},
