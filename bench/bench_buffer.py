@@ -147,8 +147,9 @@ def run_dataecho(case: Case, echo: float, src: np.ndarray, seconds: float, hold:
             hands over views of ``src``, memory that lives anyway, and the
             buffer gathers batches straight from them; False copies each
             example into a slot first.
-        per_example: put each chunk's rows as one array each (one native call
-            per chunk, as EchoLoader's readers do) instead of stacked.
+        per_example: put each chunk's rows as arrays of their own (one native
+            call per chunk, as EchoLoader's readers put what a dataset returns)
+            instead of stacked views.
 
     Returns:
         ``examples`` delivered, ``seconds`` of wall time, ``ex_s`` and the buffer's ``stats``.
@@ -162,16 +163,16 @@ def run_dataecho(case: Case, echo: float, src: np.ndarray, seconds: float, hold:
         hold=hold,
     )
     native = buf._native  # the per-example form goes through the loader's own entry point
+    rows = [row.copy() for row in src] if per_example else []
     stop = threading.Event()
 
     def produce() -> None:
         start = 0
         while not stop.is_set():
-            chunk = src[start : start + case.chunk]
             if per_example:
-                native.put_each([list(chunk)], len(chunk))
+                native.put_each([rows[start : start + case.chunk]], case.chunk)
             else:
-                buf.put_many(chunk)
+                buf.put_many(src[start : start + case.chunk])
             start = (start + case.chunk) % len(src)
         buf.close()
 

@@ -76,6 +76,21 @@ def test_a_held_array_is_read_only_and_the_copy_path_leaves_it_alone():
     assert drained(held) == [3]
 
 
+def test_a_view_of_much_larger_memory_is_copied_not_held():
+    # Holding a row of a stacked array (or of a block read from a store) would
+    # keep all of it alive for one example.
+    big = image_of(np.arange(100))
+    buf = buffer(seed=0)
+    buf.put({"id": 3, "image": big[3]})
+    assert buf.held == 0 and big[3].flags.writeable
+    big[3] = 0  # the buffer has its copy
+    own = big[5].copy()
+    buf.put({"id": 5, "image": own})
+    assert buf.held == 1
+    buf.close()
+    assert sorted(drained(buf)) == [3, 5]
+
+
 def test_small_fields_are_copied():
     buf = buffer(seed=0)
     label = np.arange(4)

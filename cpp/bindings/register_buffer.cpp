@@ -52,7 +52,7 @@ class PyBuffer {
     ShuffleBuffer& core = live();
     const Rows rows = field_pointers(specs_, arrays, std::nullopt);
     check_fit(core.producer(), rows, 1, ragged_count(specs_));
-    const std::vector<std::uint64_t> owners = hold ? take_holds(arrays, 1, 0) : std::vector<std::uint64_t>{};
+    const std::vector<std::uint64_t> owners = hold ? take_holds(arrays, 1, 0, true) : std::vector<std::uint64_t>{};
     const Status status = call_blocking(
         [&](Deadline d) {
           return core.producer().put(rows.pointers.data(), d, seq, rows.lengths.data(), held_or_null(owners));
@@ -91,7 +91,7 @@ class PyBuffer {
     if (done > n) throw py::value_error("done: more than rows");
     check_fit(core.producer(), rows, n, ragged_count(specs_));
     const std::size_t first = done;
-    const std::vector<std::uint64_t> owners = hold ? take_holds(columns, n, first) : std::vector<std::uint64_t>{};
+    const std::vector<std::uint64_t> owners = hold ? take_holds(columns, n, first, false) : std::vector<std::uint64_t>{};
     const Status status = call_blocking(
         [&](Deadline d) {
           return core.producer().put_each(rows.pointers.data(), n, done, d, first_seq, rows.lengths.data(),
@@ -217,18 +217,22 @@ class PyBuffer {
   // Holds for rows [first, n) of a put's holdable fields, row-major (H per
   // row): the owner of a row's value is its array in a list column, else the
   // column's array itself (stacked rows, or the source of (array, indices)).
-  // The entries of rows before `first` are 0 (not read). Arrays handed over
-  // are made read-only; the source of (array, indices) stays as it is (it is
-  // the caller's dataset: its rows must not change while held).
-  std::vector<std::uint64_t> take_holds(py::handle columns, std::size_t n, std::size_t first) {
+  // The entries of rows before `first` are 0 (not read), and so are those of
+  // arrays of one value each that view much larger memory (see
+  // holds_little_more): those are copied. Arrays handed over are made
+  // read-only; the source of (array, indices) stays as it is (it is the
+  // caller's dataset: its rows must not change while held).
+  std::vector<std::uint64_t> take_holds(py::handle columns, std::size_t n, std::size_t first, bool single) {
     const auto& holdable = live().layout().holdable_fields();
     std::vector<std::uint64_t> owners(n * holdable.size(), 0);
     for (std::size_t h = 0; h < holdable.size(); ++h) {
       PyObject* column = PyList_GET_ITEM(columns.ptr(), holdable[h]);
-      if (PyList_Check(column)) {
+      if (PyList_Check(column) || single) {
         for (std::size_t i = first; i < n; ++i) {
-          make_read_only(PyList_GET_ITEM(column, i));
-          owners[i * holdable.size() + h] = holdings_.hold(PyList_GET_ITEM(column, i), 1);
+          PyObject* item = single ? column : PyList_GET_ITEM(column, i);
+          if (!holds_little_more(item)) continue;
+          make_read_only(item);
+          owners[i * holdable.size() + h] = holdings_.hold(item, 1);
         }
         continue;
       }
@@ -244,7 +248,8 @@ class PyBuffer {
   void give_back_holds(const std::vector<std::uint64_t>& owners, std::size_t n, std::size_t done) {
     if (owners.empty()) return;
     const std::size_t per_row = owners.size() / n;
-    for (std::size_t i = done * per_row; i < owners.size(); ++i) holdings_.release(owners[i]);
+    for (std::size_t i = done * per_row; i < owners.size(); ++i)
+      if (owners[i] != 0) holdings_.release(owners[i]);
   }
 
   static const std::uint64_t* held_or_null(const std::vector<std::uint64_t>& owners) {
