@@ -29,6 +29,7 @@ import numpy as np
 from . import _core
 from .fields import Field, to_field_array
 from .ragged import Ragged
+from .ray_source import RowBlock, RowIterator
 from .stage import stop_iteration_error
 from .structure import Structure
 
@@ -62,8 +63,37 @@ class Columns:
         self._decls = [f.decl() if f.kind != "object" else None for f in fields]
         self._objects = [i for i, f in enumerate(fields) if f.kind == "object"]
 
-    def of(self, examples: list) -> list:
+    def of(self, examples: list | RowBlock) -> list:
+        """The columns of a list of examples, or of a block of rows held as
+        columns (put as they are where they match their fields)."""
+        if isinstance(examples, RowBlock):
+            stacked = self._stacked(examples)
+            if stacked is not None:
+                return stacked
+            examples = list(examples)
         return self.carry([self._column(i, values) for i, values in enumerate(self.structure.columns(examples))])
+
+    def _stacked(self, block: RowBlock) -> list | None:
+        """A block's columns, or None where its rows must go one by one to be
+        converted as a put converts them.
+
+        Its rows are dicts of its columns, so columns named as the structure's
+        leaves are those leaves. A column of numbers goes stacked (cast as its
+        rows' Python numbers would be where its dtype differs): its rows are
+        copied into slots, never held, since holding one row would keep the
+        whole block alive (in Ray's object store). A column of objects goes
+        as its items."""
+        if list(block.columns) != self.structure.paths:
+            return None
+        columns: list = []
+        for leaf, (field, column) in enumerate(zip(self.fields, block.columns.values())):
+            if column.dtype.hasobject:
+                columns.append(self._column(leaf, list(column)))
+            elif field.kind != "array" or column.shape[1:] != field.shape or not np.can_cast(column.dtype, field.dtype):
+                return None
+            else:
+                columns.append(to_field_array(column, field, len(column), "put()"))
+        return self.carry(columns)
 
     def carry(self, columns: list) -> list:
         """Converted columns, one per leaf, as the buffer's native columns: the
@@ -121,10 +151,17 @@ def claimed(claim_range: Any, chunk: int, reader: Any, columns: Columns) -> Iter
         yield from reader.chunks(first, count, columns)
 
 
-def chunked(iterator: Iterator[Any], first_seq: int = 0) -> Iterator[tuple[int, list]]:
+def chunked(iterator: Iterator[Any], first_seq: int = 0, blocks: bool = False) -> Iterator[tuple[int, list | RowBlock]]:
     """An iterable source's examples in chunks: (number of the first, up to
-    CHUNK examples read within SLICE_S), numbered from ``first_seq``."""
+    CHUNK examples read within SLICE_S), numbered from ``first_seq``; with
+    ``blocks`` (a put without transform), from an iterator that hands them out
+    in blocks (dataecho.ray_source), a block each."""
     seq = first_seq
+    if blocks and isinstance(iterator, RowIterator):
+        for block in iterator.blocks():
+            yield seq, block
+            seq += len(block)
+        return
     while True:
         examples, started = [], time.perf_counter()
         for example in iterator:

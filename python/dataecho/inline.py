@@ -80,8 +80,10 @@ class InlineReader:
         source, columns = self._source, Columns(self._structure, self._buffer.fields, self._buffer.codec)
         if ready:
             yield first_seq, len(ready), columns.of(ready)
-        for seq, examples in chunked(source.iterator, first_seq + len(ready)):
-            yield seq, len(examples), columns.of([source.transformed(e) for e in examples])
+        transform = source.config.transform
+        for seq, examples in chunked(source.iterator, first_seq + len(ready), blocks=transform is None):
+            yield seq, len(examples), columns.of(examples if transform is None else
+                                                 [source.transformed(e) for e in examples])
 
     # the stage protocol's producer side: nothing runs on its own
 

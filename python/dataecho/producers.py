@@ -92,7 +92,7 @@ class Producers:
         transforms on ``workers`` threads. Examples are numbered in reading order
         from ``first_seq``, ``ready`` ones (read and transformed) first."""
         ready = ready or []
-        chunks = chunked(iterator, first_seq + len(ready))
+        chunks = chunked(iterator, first_seq + len(ready), blocks=self._transform is None)
         columns = Columns(self._structure, self._buffer.fields, self._buffer.codec)
 
         def put_ready() -> None:
