@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -53,6 +54,75 @@ def run_dataecho(ds: common.Records, worker_type: str, echo: float, batch: int, 
         return measure(loader, warmup, count)
     finally:
         loader.close()
+
+
+def cpu_times() -> dict[str, float]:
+    """CPU seconds so far of this process's main thread, of its other threads
+    (the assembler, the stages' threads) and of its live child processes (the
+    workers), from /proc (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def used(stat_path: str) -> float:
+        with open(stat_path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+
+    me = os.getpid()
+    times = {"main": 0.0, "other threads": 0.0, "workers": 0.0}
+    for tid in os.listdir(f"/proc/{me}/task"):
+        times["main" if int(tid) == me else "other threads"] += used(f"/proc/{me}/task/{tid}/stat")
+    parents = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parents[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):  # a process that exited meanwhile
+            continue
+    for pid in parents:
+        ancestor = parents.get(pid)
+        while ancestor not in (None, 0, 1, me):  # workers may descend from a forkserver
+            ancestor = parents.get(ancestor)
+        if ancestor == me:
+            try:
+                times["workers"] += sum(used(f"/proc/{pid}/task/{t}/stat") for t in os.listdir(f"/proc/{pid}/task"))
+            except (OSError, ValueError):
+                continue
+    return times
+
+
+def cpu_split(ds: common.Records, echo: float, warmup: int, count: int) -> dict[str, float]:
+    """Where the CPU goes with process workers: microseconds of CPU per delivered
+    example in the parent's main thread (the loop), its other threads and the
+    workers, with the wall time per example, over ``count`` batches."""
+    loader = dataecho.EchoLoader(ds, batch_size=BATCH, echo_factor=echo, workers=2, worker_type="process",
+                                 shuffle_buffer=2048, seed=0)
+    try:
+        it = iter(loader)
+        for _ in range(warmup):
+            next(it)
+        before, start, examples = cpu_times(), time.perf_counter(), 0
+        for _ in range(count):
+            examples += len(next(it)["id"])
+        wall, after = time.perf_counter() - start, cpu_times()
+    finally:
+        loader.close()
+    split = {k: (after[k] - before[k]) / examples * 1e6 for k in before}
+    return {**split, "wall": wall / examples * 1e6}
+
+
+def print_cpu_split(count: int, warmup: int) -> None:
+    """Echo 1 against echo 2 with process workers on the CPU-bound workload:
+    the CPU each part takes per delivered example, and the rate the machine's
+    cores allow at echo 2 given those costs."""
+    ds = common.Records((warmup + count) * BATCH * 2, 12 * 1024, spin=4000)
+    rows = {echo: cpu_split(ds, echo, warmup, count) for echo in (1.0, 2.0)}
+    cores = os.cpu_count() or 1
+    print(f"CPU per delivered example, CPU-bound workload, process workers (us; {cores} cores)")
+    table = [(f"{e:g}", *(f"{r[k]:.1f}" for k in ("main", "other threads", "workers", "wall")),
+              f"{sum(r[k] for k in ('main', 'other threads', 'workers')) / cores:.1f}") for e, r in rows.items()]
+    common.print_table(("echo", "main thread", "parent's other threads", "workers", "wall", "CPU / cores"), table)
+    one, two = rows[1.0], rows[2.0]
+    print(f"echo 2 / echo 1 delivered rate: {one['wall'] / two['wall']:.2f}x")
 
 
 def run_dataloader(ds: common.Records, batch: int, warmup: int, count: int) -> float:
@@ -148,7 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer batches (about 40 s in all)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed batches first")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--cpu", action="store_true", help="instead: where the CPU goes at echo 1 and 2")
     args = parser.parse_args(argv)
+    if args.cpu:
+        print_cpu_split(60 if args.quick else 200, args.warmup)
+        return 0
     count = 60 if args.quick else 200
     info = common.machine(torch=torch_version())
     common.print_header(info, "delivered examples/s and their ratios: higher is better")
