@@ -72,7 +72,7 @@ asan_flags="-fsanitize=address,undefined -fno-omit-frame-pointer -g -O1"
 # clearer stacks) and the asserts.
 relwithdebinfo="-g"
 # Python files to run under the sanitizers: stress, blocking/Ctrl-C/fork, accounting, ragged values, faults.
-python_tests=(tests/test_stress.py tests/test_blocking.py tests/test_accounting.py tests/test_ragged.py)
+python_tests=(tests/test_stress.py tests/test_blocking.py tests/test_accounting.py tests/test_ragged.py tests/test_hold.py)
 [[ -f $repo/tests/test_faults.py ]] && python_tests+=(tests/test_faults.py)
 pytest_args=(-x -q -p no:cacheprovider --timeout 600)
 
