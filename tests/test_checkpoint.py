@@ -7,6 +7,7 @@ of storing them."""
 from __future__ import annotations
 
 import pickle
+import threading
 
 import numpy as np
 import pytest
@@ -105,6 +106,33 @@ def test_resume_twice_in_one_epoch(cut):
     loader.close()
     assert first + resume(at_once, 1, **kwargs) == reference
     assert first + second + resume(state, 1, **kwargs) == reference
+
+
+def test_state_taken_before_the_resumed_augment_output_exists():
+    # The augment workers of a resumed loader are held back before their first
+    # results, so the stage's output buffer does not exist yet when the state is
+    # taken: the state must still carry the output's restored position (its
+    # pending rows are numbered far from 0). The timeout turns a regression (a
+    # resume that waits forever for delivery 0) into an error.
+    kwargs = {"echo_at": "batch", "echo_factor": 2, "shuffle_buffer": 3}
+    reference = run(make(augment=noisy, **kwargs), 1)
+    first, state = take_then_save(make(augment=noisy, **kwargs), 60)
+    gate = threading.Event()
+
+    def gated(example, rng):
+        gate.wait()
+        return noisy(example, rng)
+
+    loader = make(augment=gated, **kwargs)
+    loader.load_state_dict(state)
+    epoch = iter(loader)  # held: the loader keeps only a weak reference to its epoch
+    try:
+        at_once = pickle.loads(pickle.dumps(loader.state_dict()))
+    finally:
+        gate.set()
+        epoch.close()
+    assert len(at_once["stages"]["augment"]["pending"]["deliveries"]) > 0
+    assert first + resume(at_once, 1, augment=noisy, timeout=60, **kwargs) == reference
 
 
 def test_resume_with_other_workers_and_worker_type():

@@ -178,7 +178,12 @@ class AugmentStage:
         if self.unresumable is not None:
             return None
         output = None if self._ended else self.output
-        snap = output.snapshot() if output is not None else None
+        # Resumed, before the output exists: its state is the snapshot it is to be
+        # restored from. None would restart the next output at delivery 0, outside
+        # whose intake window (batch_size numbers) the pending rows would wait
+        # forever. An output created since the read above has yielded nothing:
+        # the consumer is the thread taking this state.
+        snap = output.snapshot() if output is not None else None if self._ended else self._restore
         queued = [] if snap is None else [
             {"rows": np.array([self._positions[d] for d in q.tolist()], dtype=np.uint64), "deliveries": q}
             for q in snap.queued

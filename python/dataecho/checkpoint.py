@@ -29,7 +29,8 @@ A state is a dict of ints, bools, dicts and NumPy arrays (picklable;
                      its generator's state.
     augment          ``taken``: rows taken from upstream (the next delivery
                      number); ``output``: its output buffer's state (resident
-                     rows named by delivery number), or None before it exists;
+                     rows named by delivery number), or None before it exists
+                     (once resumed, the state it is to be restored from);
                      ``pending``: each row taken and not yet in a batch, by
                      delivery number and position; ``queued``: output batches
                      assembled but not yet taken.
