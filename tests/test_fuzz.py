@@ -343,7 +343,10 @@ def field_verdict(value, dtype: np.dtype, shape: tuple) -> Verdict:
             errors += (ValueError,)
         if errors:
             return Verdict(False, errors=errors)
-        return Verdict(True, _cast_expected(array, dtype)[0])
+        try:
+            return Verdict(True, _cast_expected(array, dtype)[0])
+        except OverflowError:  # NumPy 2.5 raises where earlier versions warned (datetime64 units)
+            return Verdict(False, errors=(OverflowError,))
     # Python numbers and (nested) lists or tuples of only them: "weak" values,
     # checked for kind, then shape, then range.
     try:
