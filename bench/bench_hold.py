@@ -43,6 +43,7 @@ SIZES = (
     Case("256 B", 256, capacity=4096, batch_size=256, chunk=256),
     Case("1 KiB", 1024, capacity=4096, batch_size=256, chunk=256),
     Case("4 KiB", 4096, capacity=4096, batch_size=256, chunk=256),
+    Case("8 KiB", 8192, capacity=4096, batch_size=256, chunk=256),
     Case("12 KiB", 12288, capacity=4096, batch_size=256, chunk=256),
     Case("48 KiB", 49152, capacity=2048, batch_size=128, chunk=64),
     Case("150 KiB", 153600, capacity=1024, batch_size=64, chunk=32),
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("time to the first batch (fresh buffer, first touch of its memory) against steady state")
     table = []
-    for case in SIZES[-1:] + SIZES[3:4]:
+    for case in SIZES[-1:] + SIZES[4:5]:
         src = make_source(case)
         for hold in (False, True):
             first = first_batch(case, src, hold)

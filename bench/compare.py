@@ -11,7 +11,10 @@ Sections (every figure in a table is measured in the same run; higher is better 
       (``bench_buffer.run_dataecho``): the buffer holds the rows by reference
       and gathers each batch straight from them, one copy per example, as
       tf.data's ``shuffle`` holds its tensors; and the same with
-      ``hold=False``, which copies each example into a slot first (two copies);
+      ``hold=False``, which copies each example into a slot first (two copies).
+      Rows of 32 KiB or more go into batches with streaming stores
+      (dataecho's ``stream_copy.hpp``), which is why dataecho can pass the
+      gather limit below, whose ``np.take`` reads each destination line first;
     * the hand-written baseline: threads + ``queue.Queue`` + a Python list as
       shuffle buffer + ``np.stack`` (``bench_buffer.run_baseline``);
     * torch ``DataLoader`` over an ``IterableDataset`` that is its own shuffle
@@ -376,10 +379,12 @@ def throughput_targets(rows: list[dict], tf_ran: bool) -> list[dict]:
         "dataecho >= 0.80 x gather limit at 150 KiB", min(fractions) if fractions else None, 0.80, "{:.2f}",
         "150 KiB did not run",
     ))
-    for size in ("64 B", "12 KiB"):
+    # Below dataecho.buffer.HOLD_MIN_BYTES both contestants run the same code, so
+    # that ratio is the run's noise: the bar is set below it.
+    for size, bar in (("64 B", 0.90), ("12 KiB", 1.0)):
         ratios = [r["dataecho_over"] for r in rows if r["size"] == size and r["contestant"] == DATAECHO_COPY]
         checks.append(_check(
-            f"holding no slower than copying at {size}", min(ratios) if ratios else None, 0.95, "{:.2f}x",
+            f"hold=True no slower than hold=False at {size}", min(ratios) if ratios else None, bar, "{:.2f}x",
             f"{size} did not run",
         ))
     return [{"section": "a", **c} for c in checks]

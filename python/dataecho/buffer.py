@@ -50,7 +50,7 @@ MAX_PAGE_FOR_DEFAULT = 1 << 16  # the largest page chosen by default (bigger exa
 # Fields of at least this many bytes per example can be held by reference
 # instead of copied into a slot (see NativeBuffer's ``hold``). Below it the
 # copy costs less than the bookkeeping: bench/bench_hold.py measures the crossover.
-HOLD_MIN_BYTES = 4096
+HOLD_MIN_BYTES = 8192
 
 
 def buffer_config(**values: Any) -> _core.BufferConfig:
@@ -384,7 +384,7 @@ class ShuffleBuffer:
         ragged_bytes: memory for the values of ragged fields of the examples in
             the buffer (default: 1 KiB per slot). While it is full, a put waits
             and batches are drawn from fewer resident examples.
-        hold: ``"auto"`` (default), True or False: whether values of 4 KiB
+        hold: ``"auto"`` (default), True or False: whether values of 8 KiB
             or more are held by reference instead of copied into a slot (see
             "Holding" in this module's docstring): ``"auto"`` holds what
             ``put`` hands over, True also ``put_many``'s stacked arrays.

@@ -208,6 +208,7 @@ class Assembler {
   }
 
   void push(Batch batch) {
+    stream_fence();  // the gather's streaming stores, before the ready queue publishes the batch
     region_.free->not_empty().notify_all();  // one wake-up for the slots this batch freed
     for (std::size_t r = 0; r < values_hint_.size(); ++r) values_hint_[r] = batch.lease->values_used(r);
     batch.released = std::move(released_);

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "dataecho/config.hpp"
+#include "dataecho/stream_copy.hpp"
 
 namespace dataecho {
 
@@ -129,7 +130,11 @@ class ExampleLayout {
       if (ragged_[f]) continue;
       const std::size_t h = held_index_[f];
       const std::byte* from = h != kNotHeld && refs[h].data != nullptr ? refs[h].data : slot + slot_offsets_[f];
-      std::memcpy(batch + batch_offsets_[f] + row * field_bytes_[f], from, field_bytes_[f]);
+      std::byte* to = batch + batch_offsets_[f] + row * field_bytes_[f];
+      if (field_bytes_[f] >= kStreamFrom)
+        stream_copy(to, from, field_bytes_[f]);  // the caller fences before publishing (stream_copy.hpp)
+      else
+        std::memcpy(to, from, field_bytes_[f]);
     }
   }
 
