@@ -220,7 +220,8 @@ class Images:
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_loader_holds_what_a_dataset_returns(seed, workers):
+def test_loader_delivers_large_examples_a_dataset_returns(seed, workers):
+    # Copied into slots (the loader keeps them from one epoch to the next).
     loader = dataecho.EchoLoader(Images(300), batch_size=16, echo_factor=2, shuffle_buffer=64, workers=workers,
                                  seed=seed)
     for _ in range(2):
