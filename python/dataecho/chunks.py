@@ -8,8 +8,10 @@ without the GIL. How a chunk is read depends on the source:
 
 * a NumPy array or memmap (or any buffer with a leading example axis), or a
   torch ``TensorDataset`` of CPU tensors, without ``transform``: no Python per
-  example; the native put copies row ``order[p]`` of each array straight into
-  a slot (:class:`ArrayReader`);
+  example; the native put holds row ``order[p]`` of an in-memory array of 8 KiB
+  or more per row by reference, and the batch is gathered straight from it,
+  and copies smaller rows, and a memmap's, straight into a slot
+  (:class:`ArrayReader`; dataecho.buffer, "Holding");
 * a Hugging Face ``datasets.Dataset`` (Arrow-backed), without ``transform``:
   one Arrow ``take`` per chunk, converted to NumPy columns; leaves have the
   Arrow column's type, as declared in the dataset's features
