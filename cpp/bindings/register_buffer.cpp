@@ -66,19 +66,15 @@ class PyBuffer {
                                               std::uint64_t first_seq, bool hold) {
     ShuffleBuffer& core = live();
     const Rows rows = field_pointers(specs_, arrays, n);
-    std::vector<std::uint64_t> owners;
-    if (hold)
-      for (std::size_t f : core.layout().holdable_fields()) {
-        make_read_only(PyList_GET_ITEM(arrays.ptr(), f));
-        owners.push_back(holdings_.hold(PyList_GET_ITEM(arrays.ptr(), f), n));
-      }
+    // Stacked: every row's handles are row 0's, which are all the core reads.
+    const std::vector<std::uint64_t> owners = hold ? take_holds(arrays, n, 0, false) : std::vector<std::uint64_t>{};
     std::size_t done = 0;
     const Status status = call_blocking(
         [&](Deadline d) {
           return core.producer().put_many(rows.pointers.data(), n, done, d, first_seq, held_or_null(owners));
         },
         timeout_s);
-    for (std::uint64_t owner : owners) holdings_.release(owner, n - done);
+    give_back_holds(owners, n, done);
     return {status_object(status), done};
   }
 

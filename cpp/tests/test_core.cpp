@@ -1236,6 +1236,33 @@ std::string test_buffer_in_order() {
 // shuffled order (claim_range) and put_each rows gathered by pointer from a
 // source table. Every position is claimed once and every row arrives intact;
 // with in-order intake, in the order's sequence.
+// A producer: claims ranges of positions until none are left, and puts row
+// order[position] of `table` for each, tagged with its position; with `hold`,
+// two rows in three by reference (owner = row + 1), the rest copied.
+void put_claimed(ShuffleBuffer& buf, const Rows& table, const std::vector<std::uint64_t>& order, std::uint32_t p,
+                 std::uint64_t seed, bool hold, Errors& errors) {
+  Rng rng(seed ^ (0x9E37ull * (p + 1)));
+  for (;;) {
+    const auto [first, count] = buf.producer().claim_range(1 + rng.below(40));
+    if (count == 0) return;
+    std::vector<const void*> rows(count * 2);
+    std::vector<std::uint64_t> owners(count);
+    for (std::uint64_t i = 0; i < count; ++i) {
+      const std::uint64_t row = order[first + i];
+      rows[i * 2] = &table.ids[row];
+      rows[i * 2 + 1] = &table.payloads[row * kPayload];
+      owners[i] = row % 3 == 0 ? 0 : row + 1;
+    }
+    std::size_t done = 0;
+    const Status st = buf.producer().put_each(rows.data(), count, done, Deadline::never(), first, nullptr,
+                                              hold ? owners.data() : nullptr);
+    if (st != Status::kOk || done != count) {
+      errors.add("producer " + std::to_string(p) + ": status " + std::to_string(static_cast<int>(st)));
+      return;
+    }
+  }
+}
+
 std::string test_buffer_put_each() {
   const std::uint64_t n = std::max<std::uint64_t>(5000, g_options.items / 200);
   std::vector<std::uint64_t> ids(n);
@@ -1258,23 +1285,7 @@ std::string test_buffer_put_each() {
       Threads producers([&] { buf.stop(); });
       for (std::uint32_t p = 0; p < kProducers; ++p)
         producers.spawn([&, p] {
-          Rng rng(run_seed(4302) ^ (0x9E37ull * (p + 1)));
-          for (;;) {
-            const auto [first, count] = buf.producer().claim_range(1 + rng.below(40));
-            if (count == 0) break;
-            std::vector<const void*> rows(count * 2);
-            for (std::uint64_t i = 0; i < count; ++i) {
-              const std::uint64_t row = order[first + i];
-              rows[i * 2] = &table.ids[row];
-              rows[i * 2 + 1] = &table.payloads[row * kPayload];
-            }
-            std::size_t done = 0;
-            const Status st = buf.producer().put_each(rows.data(), count, done, Deadline::never(), first);
-            if (st != Status::kOk || done != count) {
-              errors.add("producer " + std::to_string(p) + ": status " + std::to_string(static_cast<int>(st)));
-              break;
-            }
-          }
+          put_claimed(buf, table, order, p, run_seed(4302), false, errors);
           if (running.fetch_sub(1, std::memory_order_acq_rel) == 1) buf.close();
         });
       consumer.drain(buf, true);
@@ -1315,25 +1326,7 @@ std::string test_buffer_held() {
       Threads producers([&] { buf.stop(); });
       for (std::uint32_t p = 0; p < kProducers; ++p)
         producers.spawn([&, p] {
-          Rng rng(run_seed(4401) ^ (0x9E37ull * (p + 1)));
-          for (;;) {
-            const auto [first, count] = buf.producer().claim_range(1 + rng.below(40));
-            if (count == 0) break;
-            std::vector<const void*> rows(count * 2);
-            std::vector<std::uint64_t> owners(count);
-            for (std::uint64_t i = 0; i < count; ++i) {
-              rows[i * 2] = &table.ids[first + i];
-              rows[i * 2 + 1] = &table.payloads[(first + i) * kPayload];
-              owners[i] = (first + i) % 3 == 0 ? 0 : first + i + 1;
-            }
-            std::size_t done = 0;
-            const Status st =
-                buf.producer().put_each(rows.data(), count, done, Deadline::never(), first, nullptr, owners.data());
-            if (st != Status::kOk || done != count) {
-              errors.add("producer " + std::to_string(p) + ": status " + std::to_string(static_cast<int>(st)));
-              break;
-            }
-          }
+          put_claimed(buf, table, ids, p, run_seed(4401), true, errors);
           if (running.fetch_sub(1, std::memory_order_acq_rel) == 1) buf.close();
         });
       Batch batch;
