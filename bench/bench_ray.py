@@ -11,7 +11,7 @@ Raw Ray iteration, rows/s:
 * ``iter_batches, blocks``: ``ds.iter_batches(batch_size=None,
   batch_format="numpy")``, Ray's blocks as they are, rows counted;
 * ``iter_batches, 256 rows``: the same, re-batched by Ray to 256 rows;
-* ``iter_batches, split into rows``: ``dataecho.ray_source.RayRows``' rows,
+* ``iter_batches, split into rows``: ``dataecho.reading.ray.RayRows``' rows,
   the blocks split into row dicts (what ``transform`` sees).
 
 ``EchoLoader(..., batch_size=256, echo_factor=1)`` end to end, delivered rows/s:
@@ -22,7 +22,7 @@ Raw Ray iteration, rows/s:
   call, its rows copied from its columns without the GIL.
 
 Rows are copied into the echo buffer on every path: a row of 12 KiB is large
-enough to be held by reference (dataecho.buffer, "Holding"), but it views its
+enough to be held by reference (dataecho.native.hold), but it views its
 block, which holding would keep alive.
 
 Each figure is whole epochs after a warm-up epoch (the first one starts Ray's
@@ -46,7 +46,7 @@ import numpy as np
 
 import common
 import dataecho
-from dataecho.ray_source import RayRows
+from dataecho.reading.ray import RayRows
 
 BATCH = 256
 IMAGE_BYTES = 12 << 10

@@ -379,7 +379,7 @@ def throughput_targets(rows: list[dict], tf_ran: bool) -> list[dict]:
         "dataecho >= 0.80 x gather limit at 150 KiB", min(fractions) if fractions else None, 0.80, "{:.2f}",
         "150 KiB did not run",
     ))
-    # Below dataecho.buffer.HOLD_MIN_BYTES both contestants run the same code, so
+    # Below dataecho.native.hold.HOLD_MIN_BYTES both contestants run the same code, so
     # that ratio is the run's noise: the bar is set below it.
     for size, bar in (("64 B", 0.90), ("12 KiB", 1.0)):
         ratios = [r["dataecho_over"] for r in rows if r["size"] == size and r["contestant"] == DATAECHO_COPY]

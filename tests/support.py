@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 import dataecho
-from dataecho.source import SAMPLE
+from dataecho.reading.source import SAMPLE
 
 TESTS = Path(__file__).resolve().parent
 PAYLOAD = 16  # bytes of id-derived payload per example

@@ -1,4 +1,4 @@
-"""Sources read in chunks (dataecho.chunks): NumPy arrays, memmaps and buffers
+"""Sources read in chunks (dataecho.reading): NumPy arrays, memmaps and buffers
 copied natively by index, ``__getitems__``, Hugging Face Arrow tables, and the
 per-example path's column conversion; and the default number of reading threads.
 
@@ -21,8 +21,12 @@ from support import FIRST, PAYLOAD, Records, drain, kept_bytes, payload_of
 
 import dataecho
 from dataecho import _core
-from dataecho.chunks import CHUNK, rows_contiguous
-from dataecho.producers import AUTO_THREADS, _Growth
+from dataecho.examples.fields import parse_fields
+from dataecho.native.buffer import NativeBuffer
+from dataecho.native.sizing import buffer_config
+from dataecho.reading.arrays import rows_contiguous
+from dataecho.reading.chunking import CHUNK
+from dataecho.workers.threads import AUTO_THREADS, _Growth
 
 N = 1000
 
@@ -138,8 +142,8 @@ def test_an_array_with_a_sampler_reads_its_indices_in_its_order():
 
 
 def test_put_each_refuses_what_would_touch_memory_out_of_bounds():
-    buffer = dataecho.buffer.NativeBuffer(dataecho.fields.parse_fields(((8,), "int64"))[0],
-                                          dataecho.buffer.buffer_config(capacity=16, batch_size=4))
+    buffer = NativeBuffer(parse_fields(((8,), "int64"))[0],
+                          buffer_config(capacity=16, batch_size=4))
     rows = id_rows(4)
     with pytest.raises(IndexError, match="index 4 out of range for 4 rows"):
         buffer.put_each([(rows, np.array([0, 4], dtype=np.int64))], 2)

@@ -12,7 +12,7 @@ and ragged lists, objects). The laws:
   argument or field at fault; never a crash, a hang or a SystemError;
 * a call that raises stores nothing; NumPy emits no warning along the way;
 * what a put accepts comes out of the buffer intact (values cast by the rule in
-  ``dataecho.fields``), exactly as often as the echo factor says, and a batch
+  ``dataecho.examples.fields``), exactly as often as the echo factor says, and a batch
   the consumer keeps is never overwritten.
 
 Nothing here can block for long: every ``put`` and ``next_batch`` has a timeout
@@ -287,7 +287,7 @@ def valid_fields(draw, max_elements=8):
     return {name: one() for name in names}, False
 
 
-# ---- the casting rule, as documented in dataecho.fields ----
+# ---- the casting rule, as documented in dataecho.examples.fields ----
 
 WEAK_KINDS = {"b": "biufc", "i": "iufc", "f": "fc", "c": "c"}
 PY_NUMBERS = (bool, int, float, complex)

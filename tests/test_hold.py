@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import dataecho
-from dataecho.buffer import HOLD_MIN_BYTES
+from dataecho.native.buffer import HOLD_MIN_BYTES
 
 IMAGE = 2 * HOLD_MIN_BYTES  # bytes per example: holdable
 FIELDS = {"id": ((), "int64"), "image": ((IMAGE,), "uint8")}

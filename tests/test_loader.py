@@ -436,8 +436,8 @@ def test_batch_echo_keeps_the_short_batch_last(echo, seed):
 def test_auto_batch_echo_repeats_nothing_after_the_short_batch():
     # The race the loader test above can only sometimes hit: the short batch has
     # been taken in and delivered, and the upstream is slow to say it is done.
-    from dataecho.batch_echo import BatchEchoStage
-    from dataecho.stage import Batch
+    from dataecho.pipeline.batch_echo import BatchEchoStage
+    from dataecho.pipeline.stage import Batch
 
     class Upstream:
         def __init__(self):

@@ -20,8 +20,9 @@ from support import (
 )
 
 import dataecho
-from dataecho.buffer import NativeBuffer, buffer_config
-from dataecho.fields import parse_fields
+from dataecho.examples.fields import parse_fields
+from dataecho.native.buffer import NativeBuffer
+from dataecho.native.sizing import buffer_config
 
 
 def dataecho_workers():

@@ -1,4 +1,4 @@
-"""Ray Data as the upstream (dataecho.ray_source).
+"""Ray Data as the upstream (dataecho.reading.ray).
 
 What RayRows reads of a dataset, ``iter_batches`` of NumPy batches, is played
 here by ``Blocks`` (no Ray needed): rows, blocks, and EchoLoader's exact
@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import dataecho
-from dataecho.ray_source import RayRows, RowBlock
+from dataecho.examples.blocks import RowBlock
+from dataecho.reading.ray import RayRows
 from support import boxes_of, check_exact, checked_ids, name_of, payload_of, run_python, tokens_of
 
 SIZES = (0, 5, 97, 1, 0, 300, 33)  # rows per block: empty, short and long ones
@@ -106,7 +107,7 @@ def test_blocks_are_put_without_splitting_them_into_rows(monkeypatch):
 
 def test_large_rows_arrive_whole_through_blocks():
     # 5,000 bytes a row: large enough to be held, but copied out of the block,
-    # which must not stay alive for one row (dataecho.ray_source).
+    # which must not stay alive for one row (dataecho.reading.ray).
     def large(ids: np.ndarray) -> dict[str, np.ndarray]:
         return {**block(ids), "image": np.repeat(payload_of(ids), 313, axis=1)[:, :5000]}
 
@@ -168,7 +169,7 @@ from collections import Counter
 import numpy as np
 
 import dataecho
-from dataecho.ray_source import RayRows
+from dataecho.reading.ray import RayRows
 from support import TESTS, payload_of, tokens_of
 
 # Ray's workers, started by ray.init, import support too (the map functions call it).

@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch", reason="torch dtypes need torch: pip instal
 from support import FIRST, check_exact, run_python, spy_on_last_stage  # noqa: E402
 
 import dataecho  # noqa: E402
-from dataecho.structure import Structure  # noqa: E402
+from dataecho.examples.structure import Structure  # noqa: E402
 
 N = 240
 DIGITS = 4  # base-8 digits of the id: ids below 8**4
@@ -358,7 +358,7 @@ def test_shuffle_buffer_refuses_bfloat16_and_says_how():
 def test_importing_dataecho_still_does_not_import_torch():
     result = run_python(
         """
-        import sys, dataecho, dataecho.structure
+        import sys, dataecho, dataecho.examples.structure
         print("torch" in sys.modules)
         """
     )

@@ -18,7 +18,9 @@ torch = pytest.importorskip("torch", reason="the torch integration needs torch: 
 
 from support import examples, id_buffer, join_producers, payload_of, run_python, start_producers  # noqa: E402
 
-from dataecho.torch_support import DeviceMover, allocate_pinned, pinned_pointers, to_torch  # noqa: E402
+from dataecho.pipeline.device_copy import DeviceMover  # noqa: E402
+from dataecho.tensors.convert import to_torch  # noqa: E402
+from dataecho.tensors.pinned import allocate_pinned, pinned_pointers  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 Pair = namedtuple("Pair", ["x", "y"])
@@ -42,7 +44,7 @@ def assert_view(tensor, array):
 def test_lazy_import_of_torch():
     result = run_python(
         """
-        import sys, dataecho, dataecho.torch_support
+        import sys, dataecho, dataecho.tensors.convert, dataecho.pipeline.device_copy
         print("torch" in sys.modules)
         """
     )
@@ -140,7 +142,7 @@ def test_read_only_array_in_a_fresh_interpreter_does_not_warn():
         """
         import warnings, numpy as np
         warnings.simplefilter("error")
-        from dataecho.torch_support import to_torch
+        from dataecho.tensors.convert import to_torch
         array = np.arange(6, dtype=np.float32)
         array.flags.writeable = False
         tensor = to_torch(array)

@@ -7,11 +7,11 @@ the pipeline (Choi et al., "Faster Neural Network Training with Data Echoing",
 
 from __future__ import annotations
 
-from ._worker import WorkerInfo, get_worker_info
 from .buffer import ShuffleBuffer
 from .errors import BufferClosed
+from .examples.ragged import Padded, Ragged
 from .loader import EchoLoader
-from .ragged import Padded, Ragged
+from .workers.info import WorkerInfo, get_worker_info
 
 __all__ = ["BufferClosed", "EchoLoader", "Padded", "Ragged", "ShuffleBuffer", "WorkerInfo", "__version__",
            "get_worker_info"]

@@ -1,359 +1,39 @@
-"""The native echo-aware shuffle buffer, in two faces.
+"""``ShuffleBuffer``: the native echo-aware shuffle buffer's public face. It
+validates every argument and example, naming what is wrong, and keeps to one
+consumer thread; dataecho's own stages use :class:`dataecho.native.buffer.NativeBuffer`.
 
-``ShuffleBuffer`` is the public one: it validates every argument and example,
-naming what is wrong, and keeps to one consumer thread. ``NativeBuffer`` is
-what dataecho's own pipeline stages use: named methods over the compiled
-buffer, for callers that hand it a validated configuration and converted
-arrays.
-
-Holding: a put may hand over a large value (a field of ``HOLD_MIN_BYTES`` or
-more per example) by reference instead of having it copied into a slot. The
-buffer then keeps the array alive, gathers each batch straight from it (one
-copy per example instead of two), and lets go of it with the batch that holds
-the example's last echo. ``ShuffleBuffer(hold="auto")`` holds what ``put``
-hands over and copies ``put_many``'s stacked rows, so that a stacked array is
-not kept alive for the sake of one row; ``hold=True`` holds those too (each
-stacked array until the last echo of its last row: best for views of memory
-that lives anyway, such as a dataset array); ``hold=False`` always copies. A
-held array is made read-only, so a write through it raises; its memory must not
-be changed through another view (or a torch tensor that shares it) until the
-example's last echo is delivered. EchoLoader holds the rows of an in-memory
-source array (never changing that array) and copies what a dataset returns
-into slots it keeps from one epoch to the next (held, each epoch's arrays would
-be freed at its end and the next epoch's faulted in anew: 0.75x at 150 KiB);
-worker processes copy.
+Holding: a put may hand over a large value (a field of
+``dataecho.native.hold.HOLD_MIN_BYTES`` or more per example) by reference
+instead of having it copied into a slot. The buffer then keeps the array alive,
+gathers each batch straight from it (one copy per example instead of two), and
+lets go of it with the batch that holds the example's last echo.
+``ShuffleBuffer(hold="auto")`` holds what ``put`` hands over and copies
+``put_many``'s stacked rows, so that a stacked array is not kept alive for the
+sake of one row; ``hold=True`` holds those too (each stacked array until the
+last echo of its last row: best for views of memory that lives anyway, such as
+a dataset array); ``hold=False`` always copies. A held array is made read-only,
+so a write through it raises; its memory must not be changed through another
+view (or a torch tensor that shares it) until the example's last echo is
+delivered (dataecho.native.hold says what is held and why).
 """
 
 from __future__ import annotations
 
-import atexit
-import math
-import os
 import threading
-import weakref
 from typing import Any, Iterator, Mapping
 
 import numpy as np
 
 from . import _checks, _core
-from .errors import BufferClosed
-from .fields import Field, field_value, parse_fields, to_field_array
-from .objects import LeafMap
-from .ragged import Ragged
-from .structure import key_mismatch
+from .examples.fields import Field, field_value, parse_fields, to_field_array
+from .examples.ragged import Ragged
+from .examples.tree import key_mismatch
+from .native.buffer import NativeBuffer, put_many_error
+from .native.sizing import buffer_config, page_heap
 
-__all__ = ["NativeBuffer", "ShuffleBuffer", "buffer_config", "page_heap", "ragged_heap"]
+__all__ = ["ShuffleBuffer"]
 
-_OK, _CLOSED, _TIMEOUT = _core.Status.OK, _core.Status.CLOSED, _core.Status.TIMEOUT
-_STATS = ("fresh", "delivered", "batches", "dropped", "evicted", "resident", "free_slots", "batch_blocks",
-          "pages", "pages_in_use", "starved", "producer_wait_s", "consumer_wait_s")
-_live: weakref.WeakSet[NativeBuffer] = weakref.WeakSet()
-MAX_PAGE_FOR_DEFAULT = 1 << 16  # the largest page chosen by default (bigger examples take several)
-# Fields of at least this many bytes per example can be held by reference
-# instead of copied into a slot (see NativeBuffer's ``hold``). Below it the
-# copy costs less than the bookkeeping: bench/bench_hold.py measures the crossover.
-HOLD_MIN_BYTES = 8192
-
-
-def buffer_config(**values: Any) -> _core.BufferConfig:
-    """A ``_core.BufferConfig`` with the given fields set (the rest default)."""
-    config = _core.BufferConfig()
-    for name, value in values.items():
-        setattr(config, name, value)
-    return config
-
-
-def page_heap(budget_bytes: int, example_bytes: float) -> tuple[int, int]:
-    """(pages, page_bytes) of a page heap for ragged values: pages of about an
-    eighth of an example's ragged bytes (a power of two, 64 B to 64 KiB), so that
-    the last, partly filled page of each example wastes about 6% on average, and
-    as many as ``budget_bytes`` holds.
-
-    Args:
-        budget_bytes: the memory budget for ragged values.
-        example_bytes: an example's ragged bytes, on average (a guess is fine).
-    """
-    target = max(example_bytes / 8, 1.0)
-    page = 1 << max(0, round(math.log2(target)))
-    page = min(max(page, _core.MIN_PAGE_BYTES), MAX_PAGE_FOR_DEFAULT)
-    return max(1, min(budget_bytes // page, _core.MAX_PAGES)), page
-
-
-def ragged_heap(structure: Any, capacity: int, budget_bytes: int | None, objects: str) -> tuple[int, int]:
-    """(pages, page_bytes) for a buffer of ``structure``'s examples: none
-    without ragged values; else pages sized from the examples the structure was
-    inferred from, and ``budget_bytes`` of them. By default capacity x the
-    larger of 4 x their mean and 2 x the largest: the heap's pages are touched
-    only once used (dataecho's page heap takes fresh pages last), so the room
-    for examples longer than the first ones costs no memory until they come.
-    Shared with worker processes (``objects="pickle"``), the memory is reserved
-    up front: capacity x the larger of 2 x the mean and the largest. Object
-    leaves count there, as they travel pickled, as ragged bytes."""
-    kinds = set(structure.kinds)
-    pickled = objects == "pickle" and "object" in kinds
-    if "ragged" not in kinds and not pickled:
-        return 0, 0
-    sample = structure.sample_bytes["ragged"] or [0]
-    if pickled:
-        extra = structure.sample_bytes["object"] or [256]
-        sample = [a + b for a, b in zip(sample, extra)] if "ragged" in kinds else extra
-    mean = max(sum(sample) / len(sample), 1.0)
-    if budget_bytes is None:
-        scale = (2 * mean, max(sample)) if objects == "pickle" else (4 * mean, 2 * max(sample))
-        budget_bytes = max(int(capacity * max(scale)), 1 << 16)
-    return page_heap(budget_bytes, mean)
-
-
-class NativeBuffer:
-    """The compiled buffer for dataecho's stages: puts, batches, snapshots.
-
-    Arguments are not checked here beyond what memory safety needs: callers
-    pass a configuration built from validated arguments (``_core`` aborts the
-    process on one that breaks its invariants) and, to ``put_arrays``, arrays
-    already converted to the fields.
-
-    Each field is one leaf of an example. Array and ragged fields are native
-    fields; object fields ride in one more native field, the carrier
-    (dataecho.objects), after them. A batch has one entry per field: an array,
-    a :class:`~dataecho.ragged.Ragged`, or a list of objects.
-
-    Args:
-        fields: the example's fields.
-        config: the buffer's configuration (with a page heap where a field is
-            ragged, the carrier included: see :func:`page_heap`).
-        restore: a snapshot to resume from (deterministic buffers).
-        cache: where the buffer's memory comes from and goes back to when it is
-            freed, for the next buffer of the same size (a loader's next epoch).
-        objects: how object fields travel: ``"key"`` (by reference) or
-            ``"pickle"`` (the buffer is shared with worker processes).
-        hold: how values of fields of ``HOLD_MIN_BYTES`` or more get in:
-            ``"sources"`` (the loader's): only rows of an in-memory source
-            array given as (array, indices) are held by reference, and the
-            batch is gathered straight from them (one copy per example, not
-            two); what a dataset returns is copied into slots, which the loader
-            keeps from one epoch to the next, where held arrays would be freed
-            and their memory faulted in again. ``"auto"`` (ShuffleBuffer's):
-            arrays of one example each (``put_arrays``, list columns of
-            ``put_each``) are held too; stacked arrays (``put_many_arrays``,
-            stacked columns) and memory-mapped sources are copied, so that no
-            stacked array stays alive for the sake of one row. ``True``:
-            stacked arrays are held too. ``False``: everything is copied. A held array is made read-only and kept alive
-            until its last echo is gathered; a source array is not changed and
-            must not be written meanwhile. Shared buffers copy.
-    """
-
-    def __init__(self, fields: list[Field], config: _core.BufferConfig, restore: _core.Snapshot | None = None,
-                 cache: _core.BlockCache | None = None, objects: str = "key", hold: bool | str = "sources"):
-        self.fields = fields
-        self.hold = hold
-        config.hold_min_bytes = HOLD_MIN_BYTES if hold else 0
-        self.page_bytes = config.page_bytes  # of the page heap for ragged values (0: none)
-        self.capacity = config.capacity
-        self._map = LeafMap(fields, objects)
-        self.codec = self._map.codec
-        if self.codec is not None and self.codec.mode == "key":
-            config.key_field = len(self._map.native) - 1
-        try:
-            self._core = _core.Buffer([f.decl() for f in self._map.native], config, restore, cache)
-        except MemoryError:
-            example = sum(f.nbytes for f in fields)
-            raise MemoryError(
-                f"capacity: cannot allocate {config.capacity} slots of {example} bytes "
-                f"({config.capacity * example / 2**30:.1f} GiB) and {config.pages * config.page_bytes} bytes "
-                f"for ragged values; lower capacity (or ragged_bytes)"
-            ) from None
-        self._holdable = list(self._core.holdable_fields)  # native field indices
-        self._pid = os.getpid()
-        self.forked = False  # set in a forked child by _forget_after_fork: no syscall per call
-        _live.add(self)
-
-    # ---- producers ----
-
-    def put_values(self, values: list, timeout_s: float | None = None, seq: int = 0) -> None:
-        """Puts one example given as one value per field (converted here);
-        ``seq`` is its position in the input, for deterministic intake."""
-        self.put_arrays([field_value(v, f, None, "put()") for v, f in zip(values, self.fields)], timeout_s, seq)
-
-    def put_arrays(self, arrays: list[Any], timeout_s: float | None = None, seq: int = 0) -> None:
-        """Puts one example given as one converted array per field (object
-        fields: the objects themselves)."""
-        self.check_process()
-        hold = self.hold in ("auto", True) and bool(self._holdable)
-        status = self._core.put(self._map.example(arrays), timeout_s, seq, hold)
-        if status == _CLOSED:
-            raise BufferClosed("put(): the ShuffleBuffer is closed")
-        if status == _TIMEOUT:
-            raise TimeoutError(f"put(): no free slot within {timeout_s} s")
-
-    def put_many_arrays(self, arrays: list[np.ndarray], rows: int, timeout_s: float | None = None) -> None:
-        """Puts `rows` stacked examples; on failure the exception's
-        ``examples_put`` says how many went in."""
-        self.check_process()
-        status, done = self._core.put_many(arrays, rows, timeout_s, 0, self.hold is True and bool(self._holdable))
-        if status != _OK:
-            raise _put_many_error(status, done, rows, timeout_s)
-
-    def put_each(self, columns: list, rows: int, first_seq: int = 0, timeout_s: float | None = None,
-                 done: int = 0) -> int:
-        """Puts rows [done, rows) of ``columns`` (one per native field, the
-        carrier last: see ``_core.Buffer.put_each`` and dataecho.chunks.Columns),
-        row i numbered ``first_seq + i``; returns the rows put by then: all of
-        them, or fewer when ``timeout_s`` ran out.
-
-        Raises:
-            BufferClosed: the buffer was closed or stopped.
-        """
-        self.check_process()
-        status, done = self._core.put_each(columns, rows, timeout_s, first_seq, done, self._holds(columns))
-        if status == _CLOSED:
-            raise BufferClosed("put(): the ShuffleBuffer is closed")
-        return done
-
-    def _holds(self, columns: list) -> bool:
-        """Whether a ``put_each`` of ``columns`` holds its holdable fields' values (see ``hold``)."""
-        if not self._holdable or self.hold is False:
-            return False
-        if self.hold is True:
-            return True
-        for f in self._holdable:
-            column = columns[f]
-            if isinstance(column, tuple):
-                if isinstance(column[0], np.memmap):
-                    return False
-            elif not isinstance(column, list) or self.hold == "sources":
-                return False
-        return True
-
-    @property
-    def held(self) -> int:
-        """Values (one per example and held field) held by reference now."""
-        return self._core.held_values
-
-    def native_columns(self, columns: list) -> list:
-        """Columns of ``put_each`` given one per field: the object fields'
-        columns become the carrier's (dataecho.objects), last."""
-        return self._map.columns(columns)
-
-    def claim_range(self, count: int) -> tuple[int, int]:
-        """Up to ``count`` consecutive positions of a map-style order to read:
-        (first, how many), how many 0 when all are claimed."""
-        return self._core.claim_range(count)
-
-    def set_index_range(self, begin: int, end: int) -> None:
-        """Positions [begin, end) are to be claimed (before any producer starts)."""
-        self._core.set_index_range(begin, end)
-
-    def close(self) -> None:
-        """Ends the input: later puts fail; what is resident drains, then the stream ends."""
-        if not self.forked:
-            self._core.close()
-
-    def abort(self) -> None:
-        """Stops at once: blocked producers get BufferClosed, the consumer the end,
-        and what is resident is dropped. For pipelines shutting down."""
-        if not self.forked:
-            self._core.stop()
-
-    # ---- worker processes ----
-
-    @property
-    def region_name(self) -> str:
-        """The shared region's name for worker processes ("" once unlinked, or private)."""
-        return self._core.region_name
-
-    def unlink_region(self) -> None:
-        """Removes the shared region's name (every worker has mapped it, or none will)."""
-        self._core.unlink_region()
-
-    def worker_counters(self, workers: int) -> list[tuple[int, int]]:
-        """(examples produced, busy nanoseconds) of each worker process."""
-        return self._core.worker_counters(workers)
-
-    # ---- consumer ----
-
-    def next_arrays(self, timeout_s: float | None = None) -> tuple[Any, ...]:
-        """The next batch, one entry per field (an array, a Ragged, a list of
-        objects). Raises StopIteration at the end and TimeoutError when
-        ``timeout_s`` passes first."""
-        self.check_process()
-        status, arrays = self._core.next(timeout_s)
-        if status == _OK:
-            return self._map.leaves(arrays, self._core.last_released if self.codec is not None else None)
-        if status == _CLOSED:
-            raise StopIteration
-        raise TimeoutError(f"next_batch(): no batch within {timeout_s} s")
-
-    def copy_batch(self, leaves: tuple[Any, ...]) -> tuple[Any, ...]:
-        """A copy of a batch of this buffer's fields, in a block of its batch pool
-        (reused once no array of it is alive: no fresh pages to fault in);
-        object fields' lists are copied, their objects shared."""
-        self.check_process()
-        return self._map.copied(leaves, self._core.copy_batch(self._map.for_copy(leaves), len(leaves[0])))
-
-    @property
-    def last_seqs(self) -> np.ndarray:
-        """Deterministic buffers: each row's sequence number, for the last batch."""
-        return self._core.last_seqs
-
-    def snapshot(self, timeout_s: float | None = None) -> _core.Snapshot:
-        """Deterministic buffers: the state before the next batch to be assembled
-        (see checkpoint.hpp), with the rows of the batches assembled but not taken."""
-        self.check_process()
-        status, state = self._core.snapshot(timeout_s)
-        if status == _CLOSED:
-            raise BufferClosed("state: the ShuffleBuffer was stopped")
-        if status == _TIMEOUT:
-            raise TimeoutError(f"state: the batch being assembled did not finish within {timeout_s} s")
-        return state
-
-    # ---- memory and counters ----
-
-    def stats(self) -> dict[str, Any]:
-        """The native counters as a dict (see ShuffleBuffer.stats)."""
-        self.check_process()
-        native = self._core.stats()
-        return {name: getattr(native, name) for name in _STATS}
-
-    @property
-    def batch_bytes(self) -> int:
-        """Bytes of one batch's memory block."""
-        return self._core.batch_bytes
-
-    @property
-    def slot_bytes(self) -> int:
-        """Bytes each slot takes in the arena, alignment included."""
-        return self._core.slot_stride
-
-    @property
-    def initial(self) -> int:
-        """Resident examples needed before the first batch."""
-        return self._core.initial
-
-    def add_batch_memory(self, address: int, nbytes: int, owner: Any) -> None:
-        """Hands a block of batch memory (page-locked, say) to the pool; `owner`
-        is kept alive for as long as the pool may use the block."""
-        self._core.add_batch_memory(address, nbytes, owner)
-
-    def check_process(self) -> None:
-        """Raises in a forked child: the buffer belongs to the parent."""
-        if self.forked:
-            raise RuntimeError(
-                f"ShuffleBuffer was created in process {self._pid} and cannot be used in a forked "
-                f"child ({os.getpid()}); create the buffer in the process that uses it"
-            )
-
-    def forget_after_fork(self) -> None:
-        """In a forked child: the child has no assembler thread; leak the core
-        instead of joining it."""
-        self.forked = True
-        self._core.abandon_after_fork()
-
-    def shut_down(self) -> None:
-        """At interpreter exit: release blocked producers, stop the assembler and
-        remove a shared-memory name still linked (workers that never attached)."""
-        if not self.forked:
-            self._core.stop()
-            self._core.unlink_region()
+_TIMEOUT = _core.Status.TIMEOUT
 
 
 class ShuffleBuffer:
@@ -477,7 +157,7 @@ class ShuffleBuffer:
 
         Args:
             example: a dict ``name -> array`` (or one array for a single field),
-                cast by the rule in :mod:`dataecho.fields`.
+                cast by the rule in :mod:`dataecho.examples.fields`.
             timeout: seconds to wait for a free slot; None waits forever.
 
         Raises:
@@ -514,7 +194,7 @@ class ShuffleBuffer:
         columns = [_column(v, f, rows) for v, f in zip(values, self._fields)]
         done = self._native.put_each(self._native.native_columns(columns), rows, timeout_s=_checks.timeout(timeout))
         if done < rows:
-            raise _put_many_error(_TIMEOUT, done, rows, timeout)
+            raise put_many_error(_TIMEOUT, done, rows, timeout)
 
     def close(self) -> None:
         """Ends the input: later puts raise BufferClosed, blocked ones are released,
@@ -638,28 +318,3 @@ def _column(value: Any, field: Field, rows: int) -> Any:
         return array, np.ascontiguousarray(value.offsets, dtype=np.int64)
     return [to_field_array(v, field, None, "put_many()") for v in value]
 
-
-def _put_many_error(status: Any, done: int, rows: int, timeout: float | None) -> Exception:
-    # Built here, not in the caller: an exception held in a local of the frame that
-    # raises it is a reference cycle (frame, exception, traceback), which would keep
-    # the buffer and its assembler thread alive until the cyclic GC runs.
-    if status == _CLOSED:
-        error: Exception = BufferClosed(f"put_many(): the ShuffleBuffer is closed ({done} of {rows} examples put)")
-    else:
-        error = TimeoutError(f"put_many(): timed out after {timeout} s ({done} of {rows} examples put)")
-    error.examples_put = done  # type: ignore[attr-defined]
-    return error
-
-
-def _forget_after_fork() -> None:
-    for buffer in list(_live):
-        buffer.forget_after_fork()
-
-
-def _stop_all() -> None:
-    for buffer in list(_live):
-        buffer.shut_down()
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
-atexit.register(_stop_all)

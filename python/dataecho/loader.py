@@ -1,9 +1,9 @@
 """``EchoLoader``: data echoing for a training loop, in the three placements of
 Choi et al. (2019), with fractional and adaptive echo factors.
 
-The arguments are validated once into a :class:`dataecho.config.LoaderConfig`;
-each ``iter(loader)`` starts an :class:`dataecho.epoch.Epoch`, whose chain of
-stages (:mod:`dataecho.chain`) is::
+The arguments are validated once into a :class:`dataecho.config.loader_config.LoaderConfig`;
+each ``iter(loader)`` starts an :class:`dataecho.pipeline.epoch.Epoch`, whose chain of
+stages (:mod:`dataecho.pipeline.chain`) is::
 
     source -> [producers: read, transform] -> echo buffer (native)
            -> [batch echoing]                   (echo_at="batch")
@@ -19,15 +19,16 @@ import weakref
 from typing import Any, Callable
 
 from . import _core
-from .chain import stage_names
-from .checkpoint import FORMAT, check_state
-from .config import LoaderConfig, loader_config
-from .epoch import Epoch
-from .order import EpochNumbers, LoaderSampler, batches_per_epoch, epoch_order
-from .process_producers import PROCESS_GRACE_S
-from .stats import Totals
-from .structure import Structure
-from .worker_pool import WorkerPool
+from .config.loader_config import LoaderConfig, loader_config
+from .examples.structure import Structure
+from .pipeline.chain import stage_names
+from .pipeline.checkpoint import FORMAT, check_state
+from .pipeline.epoch import Epoch
+from .pipeline.numbering import EpochNumbers
+from .pipeline.stats import Totals
+from .reading.order import LoaderSampler, batches_per_epoch, epoch_order
+from .workers.pool import WorkerPool
+from .workers.processes import PROCESS_GRACE_S
 
 __all__ = ["EchoLoader"]
 
@@ -58,7 +59,7 @@ class EchoLoader:
     Args:
         source: (DataLoader's ``dataset``) an iterable of examples, a map-style
             dataset (``__len__`` and ``__getitem__``; a torch ``Dataset``), or a Ray
-            Data ``Dataset``/``DataIterator`` (see dataecho.ray_source). An example
+            Data ``Dataset``/``DataIterator`` (see dataecho.reading.ray). An example
             is an array, a number, a torch CPU tensor, or a dict/tuple/list of them.
         batch_size: examples per batch.
         echo_factor: mean deliveries per example (or per batch), a number >= 1
@@ -77,7 +78,7 @@ class EchoLoader:
             ``echo_at="batch"``, batches resident in the batch buffer (default 16).
         workers: (DataLoader's ``num_workers``) producer threads or processes (and
             augment threads). Not given: one reading thread, more while reads wait
-            (dataecho.producers), 2 processes. 0 reads in the calling thread.
+            (dataecho.workers.threads), 2 processes. 0 reads in the calling thread.
         shuffle: map-style sources: a new random order every epoch (default
             True, False with a ``sampler``). With False the reading order is the
             dataset's (or the sampler's), which batches follow exactly at
@@ -121,7 +122,7 @@ class EchoLoader:
             The ``seed`` must be the same on every rank (None means 0 then).
 
     DataLoader's other keywords (``sampler``, ``collate_fn``, ...) keep their
-    meaning (see dataecho.dataloader_args). The arguments can be read back as
+    meaning (see dataecho.config.dataloader). The arguments can be read back as
     attributes (``loader.batch_size``; all as ``loader.config``), under
     DataLoader's names too: ``dataset``, ``num_workers``, ``sampler`` (the given
     one, or a view of the loader's order whose ``set_epoch`` reaches the loader).
@@ -214,7 +215,7 @@ class EchoLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch the next ``iter(loader)`` runs, and every later one until
-        set again (see dataecho.order.EpochNumbers); a ``sampler`` with
+        set again (see dataecho.pipeline.numbering.EpochNumbers); a ``sampler`` with
         ``set_epoch`` is given the number too."""
         number = self._numbers.set(epoch)
         set_sampler_epoch = getattr(self.config.sampler, "set_epoch", None)
@@ -237,7 +238,7 @@ class EchoLoader:
         """Where iteration stands, to resume from with ``load_state_dict`` (as
         torchdata's ``StatefulDataLoader``), taken between batches in the
         consumer's thread. Exact for map-style sources with ``deterministic=True``
-        (and an ``augment`` that takes ``rng``); see dataecho.checkpoint.
+        (and an ``augment`` that takes ``rng``); see dataecho.pipeline.checkpoint.
 
         Raises:
             ValueError: a loader whose position cannot be saved mid-epoch (the
@@ -268,7 +269,7 @@ class EchoLoader:
         self._resume = checked
 
     def __len__(self) -> int:
-        """Batches per epoch on this rank (see dataecho.order.batches_per_epoch)."""
+        """Batches per epoch on this rank (see dataecho.reading.order.batches_per_epoch)."""
         return batches_per_epoch(self.config)
 
     def close(self) -> None:
@@ -279,7 +280,7 @@ class EchoLoader:
         _release(self.__dict__)
 
     def stats(self, flat: bool = False, prefix: str = "dataecho/") -> dict[str, Any]:
-        """Counters over every epoch and the current one; ``flat=True`` for a metrics logger (dataecho.stats)."""
+        """Counters over every epoch and the current one; ``flat=True`` for a metrics logger (dataecho.pipeline.stats)."""
         return self._totals.stats(self._current, self._numbers.last, flat, prefix)
 
     def __enter__(self) -> EchoLoader:

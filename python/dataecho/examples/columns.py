@@ -1,0 +1,127 @@
+"""Examples as the native buffer's columns: one list or stacked array per
+leaf, converted as a single put converts them, so that a chunk of examples
+goes into the buffer with one native call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import _core
+from .blocks import RowBlock
+from .fields import Field, to_field_array
+from .structure import Structure
+
+__all__ = ["Columns", "ragged_hint"]
+
+class Columns:
+    """Converts a list of examples to the native columns of a buffer: one per
+    array or ragged leaf of ``structure``, a list of the leaves as they are
+    where they already match their field (no copy), else converted as a single
+    put converts them (same checks, same messages); then, where there are
+    object leaves, their carrier column (dataecho.examples.objects).
+
+    Args:
+        structure: the examples' structure.
+        fields: the buffer's fields, one per leaf.
+        codec: carries the object leaves (the buffer's, or a worker's); None
+            without object leaves.
+    """
+
+    def __init__(self, structure: Structure, fields: list[Field], codec: Any = None) -> None:
+        self.structure, self.fields, self._codec = structure, fields, codec
+        self._decls = [f.decl() if f.kind != "object" else None for f in fields]
+        self._objects = [i for i, f in enumerate(fields) if f.kind == "object"]
+
+    def of(self, examples: list | RowBlock) -> list:
+        """The columns of a list of examples, or of a block of rows held as
+        columns (put as they are where they match their fields)."""
+        if isinstance(examples, RowBlock):
+            stacked = self._stacked(examples)
+            if stacked is not None:
+                return stacked
+            examples = list(examples)
+        return self.carry([self._column(i, values) for i, values in enumerate(self.structure.columns(examples))])
+
+    def _stacked(self, block: RowBlock) -> list | None:
+        """A block's columns, or None where its rows must go one by one to be
+        converted as a put converts them.
+
+        Its rows are dicts of its columns, so columns named as the structure's
+        leaves are those leaves. A column of numbers goes stacked (cast as its
+        rows' Python numbers would be where its dtype differs): its rows are
+        copied into slots, never held, since holding one row would keep the
+        whole block alive (in Ray's object store). A column of objects goes
+        as its items."""
+        if list(block.columns) != self.structure.paths:
+            return None
+        columns: list = []
+        for leaf, (field, column) in enumerate(zip(self.fields, block.columns.values())):
+            if column.dtype.hasobject:
+                columns.append(self._column(leaf, list(column)))
+            elif field.kind != "array" or column.shape[1:] != field.shape or not np.can_cast(column.dtype, field.dtype):
+                return None
+            else:
+                columns.append(to_field_array(column, field, len(column), "put()"))
+        return self.carry(columns)
+
+    def carry(self, columns: list) -> list:
+        """Converted columns, one per leaf, as the buffer's native columns: the
+        object leaves' columns in one carrier column, last."""
+        if not self._objects:
+            return columns
+        carried = self._codec.encode(zip(*(columns[i] for i in self._objects)))
+        return [c for i, c in enumerate(columns) if i not in self._objects] + [carried]
+
+    def _column(self, leaf: int, values: list) -> Any:
+        field = self.fields[leaf]
+        if field.kind == "object":
+            return values
+        exact = _core.exact_rows(values, self._decls[leaf])
+        if exact == len(values):
+            return values
+        if exact == 0 and field.kind == "array" and (stacked := _scalars(values, field)) is not None:
+            return stacked
+        return values[:exact] + [self.converted(v, leaf) for v in values[exact:]]
+
+    def converted(self, value: Any, leaf: int) -> np.ndarray:
+        """One leaf's value converted to its field, as a put converts it; a leaf
+        taken as fixed whose first axis changed says how to declare it ragged."""
+        field = self.fields[leaf]
+        value = self.structure.leaf(value, leaf)
+        try:
+            return to_field_array(value, field, None, "example")
+        except ValueError:
+            hint = ragged_hint(field, value)
+            if hint is None:
+                raise
+        raise ValueError(hint)
+
+
+def ragged_hint(field: Field, value: Any) -> str | None:
+    """The error for a leaf taken as fixed whose first axis has another length
+    here, or None when its shape differs otherwise."""
+    shape = np.shape(value) if isinstance(value, (np.ndarray, list)) else ()
+    if field.kind != "array" or len(shape) != len(field.shape) or not shape or shape[1:] != field.shape[1:]:
+        return None
+    return (f"example: leaf {field.name or 'example'!r} has shape {tuple(shape)} where the first examples had "
+            f"{field.shape}; a leaf whose length varies is ragged: declare it with "
+            f"EchoLoader(..., ragged=[{field.name or ''!r}])")
+
+
+def _scalars(values: list, field: Field) -> np.ndarray | None:
+    """Numbers of exactly the field's type (Python int for int64, float for
+    float64, bool, or NumPy scalars of its dtype), stacked; else None."""
+    if field.shape != ():
+        return None
+    kind = type(values[0])
+    expected = _PYTHON_DTYPES.get(kind, kind if issubclass(kind, np.generic) else None)
+    if expected is None or np.dtype(expected) != field.dtype or any(type(v) is not kind for v in values):
+        return None
+    try:
+        return np.array(values, dtype=field.dtype)
+    except (OverflowError, TypeError, ValueError):  # out of range: converted one by one, which says so
+        return None
+
+_PYTHON_DTYPES = {bool: np.bool_, int: np.int64, float: np.float64}

@@ -1,0 +1,307 @@
+"""Augmentation after the echo stage: every delivery of an example is augmented
+anew, by worker threads, and the results are batched through an output buffer
+that this stage owns.
+
+``augment`` receives one example (the structure ``transform`` produced) whose
+arrays are read-only views of the echo stage's batch, so an in-place change
+cannot reach a repeat. A leaf of a torch dtype NumPy lacks (bfloat16, say)
+comes as a tensor of that dtype with memory of its own, as torch has no
+read-only tensors. It may return a different structure (a crop, an added
+field, such a tensor): the output batches take the structure of its first
+result.
+
+Each row taken from upstream gets a delivery number, in the order rows are
+taken (deterministic when the upstream is). When ``augment`` accepts a keyword
+``rng``, it is called with a generator keyed by (seed, epoch, rank, delivery
+number): its output is then a function of the seed alone, whichever thread
+runs it, and a checkpoint can name each pending row by (position, delivery)
+and have it recomputed on resume.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import _core
+from ..config.loader_config import LoaderConfig
+from ..errors import BufferClosed, stop_iteration_error
+from ..examples.leaves import read_only, row_of, stack
+from ..examples.structure import Structure
+from ..native.buffer import NativeBuffer
+from ..native.sizing import buffer_config, ragged_heap
+from ..reading.source import EpochSource
+from ..tensors.pinned import pin_batch_memory
+from ..workers.failure import Failure
+from .stage import Batch, Stage
+
+__all__ = ["AugmentStage", "DeliveryRng"]
+
+_SNAPSHOT_KEYS = ("batches", "rng_state", "next_seq", "available")
+
+
+class DeliveryRng:
+    """``numpy.random.Generator``s keyed by delivery number: Philox with a key
+    from (seed, epoch, rank) and the delivery number in its counter, so that
+    every delivery has its own stream (2**64 blocks long). One per thread: the
+    generator handed out for a delivery is valid until the next ``at`` call."""
+
+    def __init__(self, seed: int, epoch: int, rank: int) -> None:
+        self._key = np.random.SeedSequence([seed, epoch, rank, 0x6175676D]).generate_state(2, dtype=np.uint64)
+        self._bits = np.random.Philox(key=self._key)
+        self._empty = np.zeros(4, dtype=np.uint64)
+
+    def at(self, delivery: int) -> np.random.Generator:
+        self._bits.state = {
+            "bit_generator": "Philox",
+            "state": {"counter": np.array((0, delivery, 0, 0), dtype=np.uint64), "key": self._key},
+            "buffer": self._empty, "buffer_pos": 4, "has_uint32": 0, "uinteger": 0,
+        }
+        return np.random.Generator(self._bits)
+
+
+class _Task:
+    """Rows to augment: stacked arrays (or None: read them again from their
+    positions), each row's position (or None) and delivery number."""
+
+    __slots__ = ("arrays", "rows", "deliveries")
+
+    def __init__(self, arrays: tuple | None, rows: np.ndarray | None, deliveries: np.ndarray) -> None:
+        self.arrays, self.rows, self.deliveries = arrays, rows, deliveries
+
+
+class AugmentStage:
+    """Worker threads from an upstream stage to an output buffer.
+
+    Args:
+        upstream: the stage whose batches are augmented, pulled under ``pull_lock``.
+        structure: the structure of upstream examples.
+        config: the loader's configuration (``augment``, ``workers``, sizes, seed).
+        source: this epoch's source, to read rows again on resume.
+        failure, on_failure: where a worker's exception goes, and what stops the epoch.
+        pull_lock: held while pulling from upstream (and while the epoch takes states).
+        resume: this stage's state from a checkpoint, or None.
+        pinned_batches: page-locked batch blocks to give the output buffer (0: none).
+    """
+
+    name = "augment"
+
+    def __init__(self, upstream: Stage, structure: Structure, config: LoaderConfig, source: EpochSource,
+                 failure: Failure, on_failure: Callable[[], None], pull_lock: threading.Lock,
+                 resume: dict[str, Any] | None = None, pinned_batches: int = 0) -> None:
+        self._upstream, self._structure, self._source = upstream, structure, source
+        self._augment = config.augment
+        self._rng_key = (config.seed, source.epoch, config.shard.rank) if config.augment_takes_rng else None
+        self.unresumable = None if config.augment_takes_rng else (
+            "saving a position mid-epoch with augment needs augment to accept a keyword argument rng "
+            "(def augment(example, rng): ...; draw its randomness from that numpy Generator) so that "
+            "its output can be recomputed on resume")
+        self._track = config.map_style and config.deterministic  # rows carry positions
+        self._failure, self._on_failure, self._pull_lock = failure, on_failure, pull_lock
+        self._output_config = buffer_config(
+            capacity=max(4 * config.batch_size, 256), batch_size=config.batch_size, seed=source.seeds[3],
+            drop_last=config.drop_last, prefetch=config.prefetch, initial=config.batch_size,
+            deterministic=config.deterministic, in_order=config.in_order,
+        )
+        self._pinned_batches, self._chunk = pinned_batches, config.batch_size
+        self._ragged, self._ragged_bytes = config.ragged, config.ragged_bytes
+        self._setup = threading.Lock()
+        self._stop = threading.Event()
+        self._taken = 0  # deliveries numbered so far
+        self._positions: dict[int, int] = {}  # delivery -> position, for rows not yet handed downstream
+        self._carried: deque[tuple[int, int]] = deque()  # resume: (delivery, position) to redo first
+        self._restore: _core.Snapshot | None = None
+        self._replay_rng: DeliveryRng | None = None
+        self.ready = threading.Event()  # set once `output` exists or nothing will come
+        self.output: NativeBuffer | None = None
+        self.out_structure: Structure | None = None
+        self._ended = resume is not None and resume["output"] is not None and resume["output"]["ended"]
+        if resume is not None:
+            self._resume_from(resume)
+        workers = 0 if self._ended else config.augment_threads  # workers=0 reads inline; augment still runs
+        self._running = workers
+        self._threads = [
+            threading.Thread(target=self._run, name=f"dataecho-augment-{i}", daemon=True) for i in range(workers)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # ---- the stage ----
+
+    def next(self, timeout_s: float | None = None) -> Batch:
+        if self._ended:
+            raise StopIteration
+        while not self.ready.wait(0.05):  # in slices: Ctrl-C reaches a waiting consumer
+            pass
+        output = self.output
+        if output is None or self._failure.error is not None:
+            raise StopIteration
+        arrays = output.next_arrays(timeout_s)
+        if not self._track:
+            return Batch(self.out_structure, arrays)
+        deliveries = output.last_seqs
+        rows = np.array([self._positions.pop(d) for d in deliveries.tolist()], dtype=np.uint64)
+        return Batch(self.out_structure, arrays, rows, deliveries)
+
+    def read_batch(self, ids: dict[str, np.ndarray]) -> Batch:
+        """The output batch of rows ``ids`` (positions and delivery numbers),
+        recomputed: read again, augmented with each delivery's generator."""
+        if self._replay_rng is None:
+            self._replay_rng = DeliveryRng(*self._rng_key)
+        task = _Task(None, ids["rows"], ids["deliveries"])
+        results = list(self._augmented(task, self._replay_rng))
+        structure = self._out_structure_for([result for _, result in results])
+        arrays = stack(structure, [structure.flatten(result) for _, result in results])
+        return Batch(structure, arrays, ids["rows"], ids["deliveries"])
+
+    def stop(self) -> None:
+        # Under the set-up lock: an output created before this is aborted here,
+        # and none is created after it (_create_output checks the flag).
+        with self._setup:
+            self._stop.set()
+            output = self.output
+        if output is not None:
+            output.abort()
+        self.ready.set()
+
+    def join(self, timeout_s: float) -> None:
+        for thread in self._threads:
+            if thread is not threading.current_thread():  # an epoch collected by one of its own threads
+                thread.join(timeout_s)
+
+    def counters(self) -> dict[str, Any]:
+        output = None if self._ended else self.output
+        return {"augmented": self._taken, "starved": output.stats()["starved"] if output is not None else 0}
+
+    def state(self) -> dict[str, Any] | None:
+        """Under the pull lock: no row is being taken from upstream meanwhile."""
+        if self.unresumable is not None:
+            return None
+        output = None if self._ended else self.output
+        # Resumed, before the output exists: its state is the snapshot it is to be
+        # restored from. None would restart the next output at delivery 0, outside
+        # whose intake window (batch_size numbers) the pending rows would wait
+        # forever. An output created since the read above has yielded nothing:
+        # the consumer is the thread taking this state.
+        snap = output.snapshot() if output is not None else None if self._ended else self._restore
+        queued = [] if snap is None else [
+            {"rows": np.array([self._positions[d] for d in q.tolist()], dtype=np.uint64), "deliveries": q}
+            for q in snap.queued
+        ]
+        in_queued = {d for q in queued for d in q["deliveries"].tolist()}
+        pending = sorted(d for d in self._positions if d not in in_queued)
+        return {
+            "taken": self._taken,
+            "output": None if snap is None else {
+                **{key: int(getattr(snap, key)) for key in _SNAPSHOT_KEYS},
+                "deliveries": snap.seqs, "echoes": snap.echoes, "ended": bool(snap.ended),
+            },
+            "pending": {"deliveries": np.array(pending, dtype=np.uint64),
+                        "rows": np.array([self._positions[d] for d in pending], dtype=np.uint64)},
+            "queued": queued,
+        }
+
+    def _resume_from(self, state: dict[str, Any]) -> None:
+        """Rows taken before the checkpoint and not yet handed downstream are
+        augmented again first (in delivery order); the output buffer resumes
+        from its snapshot once the resident ones among them are back."""
+        self._taken = int(state["taken"])
+        pending = state["pending"]
+        for delivery, position in zip(pending["deliveries"].tolist(), pending["rows"].tolist()):
+            self._positions[delivery] = position
+            self._carried.append((delivery, position))
+        saved = state["output"]
+        if saved is not None and not saved["ended"]:
+            self._restore = _core.Snapshot()
+            for key in _SNAPSHOT_KEYS:
+                setattr(self._restore, key, saved[key])
+            self._restore.seqs, self._restore.echoes = saved["deliveries"], saved["echoes"]
+
+    # ---- the workers ----
+
+    def _run(self) -> None:
+        try:
+            rng = DeliveryRng(*self._rng_key) if self._rng_key is not None else None
+            while not self._stop.is_set():
+                try:
+                    task = self._take()
+                except StopIteration:
+                    break  # the upstream has ended
+                results = list(self._augmented(task, rng))
+                output = self.output or self._create_output([result for _, result in results])
+                for delivery, result in results:
+                    output.put_values(self.out_structure.flatten(result), seq=delivery)
+        except BufferClosed:
+            pass
+        except BaseException as error:  # handed to the consumer, which raises it
+            if self._failure.set(error):
+                self._on_failure()
+        finally:
+            with self._setup:
+                self._running -= 1
+                last = self._running == 0
+            if last:
+                if self.output is not None and not self._stop.is_set():
+                    self.output.close()
+                self.ready.set()
+
+    def _take(self) -> _Task:
+        """The next rows to augment: carried over from a checkpoint first, then
+        the upstream's next batch (StopIteration at its end)."""
+        # Not under the pull lock: the carried rows are in the state either way
+        # (pending until handed downstream), and the output buffer's restore
+        # waits for them, so a state asked for right after a resume must not
+        # hold them back.
+        with self._setup:
+            chunk = [self._carried.popleft() for _ in range(min(self._chunk, len(self._carried)))]
+        if chunk:
+            deliveries, rows = zip(*chunk)
+            return _Task(None, np.array(rows, dtype=np.uint64), np.array(deliveries, dtype=np.uint64))
+        with self._pull_lock:
+            batch = self._upstream.next(None)
+            first = self._taken
+            self._taken += len(batch)
+            deliveries = np.arange(first, self._taken, dtype=np.uint64)
+            if self._track:
+                self._positions.update(zip(deliveries.tolist(), batch.rows.tolist()))
+            return _Task(batch.arrays, batch.rows, deliveries)
+
+    def _augmented(self, task: _Task, rng: DeliveryRng | None) -> Any:
+        """(delivery, augment's result) for each row of ``task``."""
+        arrays = task.arrays
+        if arrays is None:
+            arrays = self._source.read_rows(self._structure, task.rows)
+        views = read_only(arrays)
+        for row, delivery in enumerate(task.deliveries.tolist()):
+            example = self._structure.unflatten([row_of(v, row) for v in views], copy_raw=True)
+            try:
+                result = self._augment(example) if rng is None else self._augment(example, rng=rng.at(delivery))
+            except StopIteration as stop:  # not this generator's end: an error (see Failure.set)
+                raise stop_iteration_error(stop, "augment") from stop
+            yield delivery, result
+
+    def _out_structure_for(self, results: list) -> Structure:
+        """The output's structure, from the first results (a batch of them: leaves
+        whose length varies among them are ragged)."""
+        with self._setup:
+            if self.out_structure is None:
+                self.out_structure = Structure.infer(results[0], results[1:], self._ragged, strict=False)
+            return self.out_structure
+
+    def _create_output(self, results: list) -> NativeBuffer:
+        structure = self._out_structure_for(results)
+        with self._setup:
+            if self._stop.is_set():
+                raise BufferClosed("the epoch was stopped")
+            if self.output is None:
+                config = self._output_config
+                config.pages, config.page_bytes = ragged_heap(structure, config.capacity, self._ragged_bytes, "key")
+                output = NativeBuffer(structure.fields(), config, self._restore)
+                if self._pinned_batches:
+                    pin_batch_memory(output, self._pinned_batches)
+                self.output = output
+                self.ready.set()
+            return self.output

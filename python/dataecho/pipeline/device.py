@@ -1,0 +1,100 @@
+"""The device copy: the last stage when ``device`` is given. Each batch is
+copied to the device on a side stream one batch ahead, so that the copy
+overlaps the training step (see :class:`dataecho.pipeline.device_copy.DeviceMover`).
+
+A ragged leaf travels as its values and offsets and becomes a jagged nested
+tensor on the device (or, with ``padding``, is padded on the host first); a
+list of objects stays on the host and is handed out with its batch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from ..examples.leaves import leaf_to_torch, padded_leaves
+from ..examples.ragged import Padded, Ragged
+from ..tensors.nested import nested_from_packed
+from .device_copy import DeviceMover
+from .stage import Batch, Stage
+
+__all__ = ["DeviceStage"]
+
+_AHEAD = 2  # batches in flight: the one handed out and the next
+
+
+class DeviceStage:
+    """Host batches in, device tensors out.
+
+    Args:
+        upstream: the stage whose (host) batches are copied.
+        device: the torch device.
+    """
+
+    name = "device"
+    unresumable = None
+
+    def __init__(self, upstream: Stage, device: Any, padding: int | str | None = None) -> None:
+        self._upstream = upstream
+        self._mover = DeviceMover(device)
+        self._padding = padding
+        # Submitted, not yet handed out: each batch's ids, and its leaves' kinds
+        # with what stays on the host (objects, nested tensors' row bounds).
+        self._in_flight: deque[tuple[Batch, list]] = deque()
+        self._exhausted = False
+
+    def next(self, timeout_s: float | None = None) -> Batch:
+        while not self._exhausted and len(self._mover) < _AHEAD:
+            try:
+                batch = self._upstream.next(timeout_s)
+            except StopIteration:
+                self._exhausted = True
+                break
+            leaves = batch.arrays if self._padding is None else padded_leaves(batch.arrays, self._padding)
+            kept = [_host(leaf) for leaf in leaves]
+            host = [tensors for _, tensors, _ in kept if tensors is not None]
+            self._mover.submit(host, on_done=host.clear)
+            self._in_flight.append((Batch(batch.structure, (), batch.rows, batch.deliveries),
+                                    [(kind, extra) for kind, _, extra in kept]))
+        if len(self._mover) == 0:
+            raise StopIteration
+        taken, kept = self._in_flight.popleft()
+        moved = iter(self._mover.take())
+        leaves = tuple(extra if kind == "object" else _device(kind, next(moved), extra) for kind, extra in kept)
+        return Batch(taken.structure, leaves, taken.rows, taken.deliveries)
+
+    def stop(self) -> None:
+        pass  # the mover is the consumer's: join() closes it, in the consumer's thread
+
+    def join(self, timeout_s: float) -> None:
+        """Waits for the copies in flight and gives their host memory back."""
+        self._mover.close()
+
+    def state(self) -> dict[str, Any]:
+        """The batches taken from upstream and not yet handed out, oldest first."""
+        return {"in_flight": [batch.ids() for batch, _ in self._in_flight]}
+
+    def counters(self) -> dict[str, Any]:
+        return {"in_flight": len(self._in_flight)}
+
+
+def _host(leaf: Any) -> tuple[str, Any, Any]:
+    """(kind, the host tensors to copy or None, what stays on the host) of one leaf."""
+    if isinstance(leaf, list):
+        return "object", None, leaf
+    if isinstance(leaf, Ragged):
+        lengths = leaf.lengths
+        bounds = (int(lengths.min()), int(lengths.max())) if len(lengths) else (0, 0)
+        return "ragged", (leaf_to_torch(leaf.values), leaf_to_torch(leaf.offsets)), bounds
+    if isinstance(leaf, Padded):
+        return "padded", tuple(leaf_to_torch(leaf)), None
+    return "array", leaf_to_torch(leaf), None
+
+
+def _device(kind: str, tensors: Any, extra: Any) -> Any:
+    """One leaf on the device, from its copied tensors."""
+    if kind == "ragged":
+        return nested_from_packed(*tensors, bounds=extra)  # row bounds from the host: no device sync
+    if kind == "padded":
+        return Padded(*tensors)
+    return tensors

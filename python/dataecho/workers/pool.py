@@ -1,0 +1,78 @@
+"""``persistent_workers=True``: a loader's worker processes, kept from one
+epoch to the next, as DataLoader keeps them, so that an epoch does not pay for
+starting processes and unpickling the source again.
+
+Between epochs a worker waits on its task pipe. Each epoch sends it what
+changes (the new buffer region, the epoch's reading order); it maps the region,
+reads its share, reports "done" and waits again. A worker that does not finish
+its epoch in time, dies, or fails makes the pool unusable: it is reaped, and the
+next epoch starts new workers.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+__all__ = ["WorkerPool", "reap"]
+
+
+def reap(processes: list[Any], deadline: float) -> None:
+    """Waits for `processes` until `deadline` (time.monotonic()), then
+    terminates and at last kills those still running."""
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(0.5)
+        if process.is_alive():
+            process.kill()
+            process.join(0.5)
+
+
+class WorkerPool:
+    """The processes of a loader with ``persistent_workers=True``.
+
+    Attributes:
+        processes: the worker processes, by worker id.
+        results: per worker, the connection its messages arrive on.
+        lifeline: the write end of the pipe whose EOF tells the workers that
+            this process is gone (see dataecho.workers.processes).
+    """
+
+    def __init__(self) -> None:
+        self.processes: list[Any] = []
+        self.results: list[Any] = []
+        self.lifeline: Any = None
+        self._tasks: list[Any] = []
+        self._usable = False
+
+    @property
+    def running(self) -> bool:
+        """The workers are alive and idle or busy with the current epoch."""
+        return self._usable and all(p.is_alive() for p in self.processes)
+
+    def adopt(self, processes: list[Any], results: list[Any], tasks: list[Any], lifeline: Any) -> None:
+        """Keeps workers started for an epoch; ``tasks``: the connections their next epochs are sent on."""
+        self.processes, self.results, self._tasks, self.lifeline = processes, results, tasks, lifeline
+        self._usable = True
+
+    def next_epoch(self, update: dict[str, Any]) -> None:
+        """Sends every worker its next epoch (the WorkerSpec fields that change)."""
+        for task in self._tasks:
+            task.send(update)
+
+    def close(self, grace_s: float) -> None:
+        """Asks the workers to exit, gives them ``grace_s`` seconds, then
+        terminates and kills those that linger. No process is left."""
+        self._usable = False
+        for task in self._tasks:
+            try:
+                task.send(None)
+            except OSError:  # that worker is gone already
+                pass
+        reap(self.processes, time.monotonic() + grace_s)
+        # Dropped, not closed: see ProcessProducers.join.
+        self.processes, self.results, self._tasks, self.lifeline = [], [], [], None

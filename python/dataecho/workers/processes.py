@@ -1,0 +1,281 @@
+"""Producer processes (``worker_type="process"``): CPU-bound Python upstream on
+every core, writing straight into the echo buffer's shared-memory slots.
+
+The parent keeps the assembler, the echo and batch stages and the consumer. A
+monitor thread watches every worker's pipe and process sentinel: it unlinks the
+shared region's name once all workers have mapped it, closes the buffer when all
+are done, and turns a worker's exception or death into the consumer's error
+within a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import signal
+import threading
+import time
+from multiprocessing.connection import wait
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..examples.structure import Structure
+from ..native.buffer import NativeBuffer
+from . import child
+from .failure import Failure
+from .pool import reap
+
+if TYPE_CHECKING:
+    from ..config.loader_config import LoaderConfig
+    from ..reading.source import EpochSource
+    from .pool import WorkerPool
+
+__all__ = ["PROCESS_GRACE_S", "ProcessProducers", "check_picklable", "default_start_method"]
+
+_POLL_S = 0.05
+PROCESS_GRACE_S = 2.0  # a stopped worker gets this long to exit before it is terminated
+
+
+def default_start_method() -> str:
+    """forkserver where it exists (fast starts, no fork of a threaded parent), else spawn."""
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+def check_picklable(name: str, value: Any) -> None:
+    """Raises a TypeError naming ``name`` if ``value`` cannot be sent to a worker process."""
+    try:
+        pickle.dumps(value)
+    except Exception as exc:  # pickling can fail with many exception types
+        raise TypeError(
+            f"{name}: worker_type='process' sends it to worker processes, but it cannot be pickled "
+            f"({type(exc).__name__}: {exc}); define it at module level (not a lambda or a local "
+            f"function), or use worker_type='thread'"
+        ) from None
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a worker process, as text."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.text}"""'
+
+
+class ProcessProducers:
+    """The worker processes of one epoch.
+
+    Args:
+        buffer: the echo buffer, created with a shared region.
+        structure: the example structure.
+        source: this epoch's view of the source: the source pickled for the
+            workers, this rank's reading order of a map-style source (positions
+            are claimed from the buffer's counter, set by the caller) or None,
+            and the seed each worker's seed derives from.
+        config: the loader's configuration (``transform``, ``workers``, ``start_method``).
+        failure, on_failure: where an error goes, and what stops the pipeline.
+    """
+
+    def __init__(
+        self,
+        buffer: NativeBuffer,
+        structure: Structure,
+        source: EpochSource,
+        config: LoaderConfig,
+        failure: Failure,
+        on_failure: Callable[[], None],
+        pool: WorkerPool | None = None,
+    ) -> None:
+        self._buffer = buffer
+        self._failure = failure
+        self._on_failure = on_failure
+        self._stop = threading.Event()
+        self.workers = config.workers
+        self._pool = pool
+        self._processes: list[Any] = []
+        self._pipes: list[Any] = []
+        self._lifeline: Any = None
+        self._monitor: threading.Thread | None = None
+        self._ready: set[int] = set()
+        self._done: set[int] = set()
+        try:
+            if pool is not None and pool.running:
+                self._continue(pool, structure, source)
+            else:
+                if pool is not None:
+                    pool.close(0.0)  # one that failed or was stopped: nothing of it is left
+                self._start(config, structure, source)
+            self._monitor = threading.Thread(target=self._watch, name="dataecho-monitor", daemon=True)
+            self._monitor.start()
+        except BaseException:
+            # Ctrl-C (or a failed start) part-way: the workers already started stop too.
+            buffer.abort()
+            self.join()
+            raise
+
+    def _start(self, config: LoaderConfig, structure: Structure, source: EpochSource) -> None:
+        context = multiprocessing.get_context(config.start_method)
+        if config.start_method == "forkserver":
+            context.set_forkserver_preload(["dataecho.workers.child"])
+        workers, buffer = self.workers, self._buffer
+        tasks: list[Any] = []
+        # The lifeline: this process holds its only write end and never writes, so
+        # every worker's read end sees EOF the moment this process is gone, however
+        # it dies (SIGKILL, the OOM killer). The workers' parent is the forkserver,
+        # which outlives us, so watching the parent would not do.
+        lifeline, self._lifeline = context.Pipe(duplex=False)
+        for worker in range(workers):
+            spec = child.WorkerSpec(
+                region=buffer.region_name,
+                fields=buffer.fields,
+                structure=structure,
+                source=source.pickled(),
+                transform=config.transform,
+                worker_id=worker,
+                num_workers=workers,
+                seed=(source.seeds[1] + 7919 * (worker + 1)) % (1 << 63),
+                map_style=source.order is not None,
+                order=source.order,
+                worker_init_fn=config.worker_init_fn,
+                chunk=config.chunk,
+            )
+            receiver, sender = context.Pipe(duplex=False)
+            args: tuple = (spec, sender, lifeline)
+            if self._pool is not None:  # persistent: later epochs come over a task pipe
+                task_reader, task_writer = context.Pipe(duplex=False)
+                args, tasks = (*args, task_reader), [*tasks, task_writer]
+            process = context.Process(target=child.main, args=args, name=f"dataecho-worker-{worker}", daemon=True)
+            process.start()
+            sender.close()  # the child holds the only writer: EOF means it is gone
+            self._processes.append(process)
+            self._pipes.append(receiver)
+        lifeline.close()  # the workers hold the read ends
+        if self._pool is not None:
+            self._pool.adopt(self._processes, self._pipes, tasks, self._lifeline)
+
+    def _continue(self, pool: WorkerPool, structure: Structure, source: EpochSource) -> None:
+        """Persistent workers: this epoch goes to the pool's idle workers."""
+        self._processes, self._pipes, self._lifeline = pool.processes, pool.results, pool.lifeline
+        buffer = self._buffer
+        pool.next_epoch({"region": buffer.region_name, "fields": buffer.fields, "structure": structure,
+                         "order": source.order})
+
+    # ---- lifecycle ----
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def join(self, timeout_s: float = PROCESS_GRACE_S) -> None:
+        """Waits for the workers (the buffer must be closed or aborted first), then
+        terminates and kills any that linger. No child process is left, but the
+        idle workers of a pool that ran this epoch to its end (or its stop)."""
+        deadline = time.monotonic() + timeout_s
+        if self._pool is not None:
+            self._join_pool(deadline)
+            return
+        reap(self._processes, deadline)
+        self._stop.set()
+        if self._monitor is not None:
+            self._monitor.join(timeout_s)
+        self._buffer.unlink_region()
+        # Dropping the connections closes them. (Not close(): when a loader is
+        # collected in a reference cycle, a connection's own finalizer may have
+        # closed its descriptor already, and the number may be in use again.)
+        self._pipes.clear()
+        self._lifeline = None  # every worker has ended
+
+    def _join_pool(self, deadline: float) -> None:
+        self._stop.set()
+        if self._monitor is not None:
+            self._monitor.join(max(0.0, deadline - time.monotonic()))
+        finished = self._monitor is None or not self._monitor.is_alive()
+        if not (finished and self._failure.error is None and self._await_done(deadline)):
+            self._pool.close(max(0.0, deadline - time.monotonic()))
+        self._buffer.unlink_region()
+        self._lifeline = None
+
+    def _await_done(self, deadline: float) -> bool:
+        """Reads each worker's messages until its "done" for this epoch; False if
+        one fails, exits or is still busy at the deadline (the pool is then closed)."""
+        pending = {pipe: i for i, pipe in enumerate(self._pipes) if i not in self._done}
+        while pending:
+            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return False
+            for pipe in ready:
+                try:
+                    message = pipe.recv()
+                except (EOFError, OSError):
+                    return False
+                if message[0] == "error":
+                    return False
+                if message[0] == "done":
+                    pending.pop(pipe)
+        return True
+
+    def counters(self) -> list[dict[str, float]]:
+        """Per worker: its process id, examples produced and seconds busy reading
+        and transforming."""
+        return [
+            {"pid": process.pid, "produced": produced, "busy_s": busy_ns * 1e-9}
+            for process, (produced, busy_ns) in zip(self._processes, self._buffer.worker_counters(self.workers))
+        ]
+
+    # ---- the monitor ----
+
+    def _watch(self) -> None:
+        ready, done = self._ready, self._done
+        pipes = {pipe: i for i, pipe in enumerate(self._pipes)}
+        sentinels = {p.sentinel: i for i, p in enumerate(self._processes)}
+        while not self._stop.is_set():
+            for obj in wait(list(pipes) + list(sentinels), timeout=_POLL_S):
+                if obj in pipes:
+                    self._receive(obj, pipes, ready, done)
+                elif obj in sentinels:
+                    self._exited(sentinels.pop(obj), pipes, ready, done)
+            if len(ready) == self.workers:
+                self._buffer.unlink_region()  # all mapped: nothing left in /dev/shm
+            if len(done) == self.workers:
+                self._buffer.close()  # every example is committed: drain and end
+                return
+            if self._failure.error is not None:
+                return
+
+    def _receive(self, pipe: Any, pipes: dict, ready: set[int], done: set[int]) -> None:
+        try:
+            message = pipe.recv()
+        except (EOFError, OSError):
+            pipes.pop(pipe)  # the worker exited; its sentinel says how
+            return
+        kind, worker = message[0], message[1]
+        if kind == "ready":
+            ready.add(worker)
+        elif kind == "done":
+            done.add(worker)
+        elif kind == "error":
+            error, text = message[2], message[3]
+            error.__cause__ = RemoteTraceback(text)
+            self._fail(error)
+
+    def _exited(self, worker: int, pipes: dict, ready: set[int], done: set[int]) -> None:
+        process = self._processes[worker]
+        process.join(0.1)
+        # A message still in the pipe (an exception, "done") has the first word.
+        pipe = self._pipes[worker]
+        while pipe in pipes and pipe.poll(0):
+            self._receive(pipe, pipes, ready, done)
+        code = process.exitcode
+        if worker in done or self._stop.is_set() or self._failure.error is not None:
+            return
+        # Without its "done", a worker left part of its share unread, whatever its
+        # exit status (os._exit(0) in user code, say): the epoch would come up short.
+        if code is not None and code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
+        else:
+            how = f"exited (status {code}) before finishing its share of the source"
+        self._fail(RuntimeError(f"dataecho worker {worker} (pid {process.pid}) {how}; the epoch is stopped"))
+
+    def _fail(self, error: BaseException) -> None:
+        if self._failure.set(error):
+            self._on_failure()
