@@ -29,7 +29,7 @@ def rate(nbytes: int, echo: float, output: str, n: int) -> float:
     """Delivered examples per second over one epoch."""
     return common.epoch_rate(dataecho.EchoLoader(
         common.Records(n, nbytes), batch_size=BATCH, echo_factor=echo, echo_at="batch", shuffle_buffer=16,
-        workers=2, seed=0, output=output,
+        num_workers=2, seed=0, output=output,
     ))
 
 

@@ -39,7 +39,7 @@ def flip(example: dict, rng: np.random.Generator) -> dict:
 
 def loader(nbytes: int, deterministic: bool, worker_type: str, n: int, augment=None) -> dataecho.EchoLoader:
     return dataecho.EchoLoader(
-        common.Records(n, nbytes), batch_size=256, echo_factor=2, shuffle_buffer=4096, workers=2, seed=0,
+        common.Records(n, nbytes), batch_size=256, echo_factor=2, shuffle_buffer=4096, num_workers=2, seed=0,
         deterministic=deterministic, worker_type=worker_type, augment=augment,
     )
 

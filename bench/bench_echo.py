@@ -65,7 +65,7 @@ def run(source, echo, steps: int, warmup: int, step_s: float, batch_size: int, w
         the share of the loop's time spent waiting for batches.
     """
     loader = dataecho.EchoLoader(
-        source, batch_size=batch_size, echo_factor=echo, workers=workers, shuffle_buffer=SHUFFLE_BUFFER, seed=0
+        source, batch_size=batch_size, echo_factor=echo, num_workers=workers, shuffle_buffer=SHUFFLE_BUFFER, seed=0
     )
     it = iter(loader)
     for _ in range(warmup):

@@ -15,7 +15,7 @@ the main thread iterates the shuffled batches. Two forms of put:
 Copied, every example is copied into a slot and then into the batch: two
 copies; held, one. Holding costs bookkeeping per example (a handle, a count,
 a release with the batch), so below some size the copy is cheaper: that size
-is ``dataecho.native.buffer.HOLD_MIN_BYTES``, and this table is how it was chosen
+is ``dataecho.native.hold.HOLD_MIN_BYTES``, and this table is how it was chosen
 (the buffer's threshold is lowered here so that every size can be held).
 
 Time to first batch: from the buffer's construction to the first batch in
@@ -36,7 +36,7 @@ import numpy as np
 
 import common
 import dataecho
-import dataecho.native.buffer
+import dataecho.native.hold
 from bench_buffer import Case, make_source, median_run, run_dataecho
 
 SIZES = (
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     seconds = args.seconds or (0.7 if args.quick else 1.5)
     repeat = 1 if args.quick else 3
-    dataecho.native.buffer.HOLD_MIN_BYTES = 1  # every size holdable, to find the crossover
+    dataecho.native.hold.HOLD_MIN_BYTES = 1  # every size holdable, to find the crossover
 
     common.print_header(common.machine(), "delivered examples/s at echo 1, median of interleaved rounds; higher is better")
     table = []

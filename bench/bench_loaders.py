@@ -212,7 +212,7 @@ def run_matrix(seconds: float, repeat: int, available: dict[str, bool]) -> list[
             # Declared: a Python __getitem__ that holds the GIL, read by processes.
             print(f"running {size.label}, per-example: {ECHO_PROCESSES} ...", file=sys.stderr, flush=True)
             cells.setdefault(("per-example", ECHO_PROCESSES), []).append(run_echo(
-                source_of("per-example", rows), seconds, workers=2, worker_type="process", persistent_workers=True))
+                source_of("per-example", rows), seconds, num_workers=2, worker_type="process", persistent_workers=True))
             if available["tensorflow"]:
                 print(f"running {size.label}: {TF} ...", file=sys.stderr, flush=True)
                 cells.setdefault(("array", TF), []).append(run_tfdata(rows, seconds))

@@ -7,7 +7,7 @@ Two workloads, each measured in the same run for every contestant:
 2. data-bound: a cheap transform over 150 KiB examples, where moving bytes
    dominates.
 
-Contestants: ``EchoLoader(worker_type="process", workers=2)`` at echo factor 1
+Contestants: ``EchoLoader(worker_type="process", num_workers=2)`` at echo factor 1
 (and 2, where the loop gets twice the batches per fresh example), the same with
 ``worker_type="thread"``, and ``torch.utils.data.DataLoader(num_workers=2,
 pin_memory=False, persistent_workers=True)`` with default collation. Rates are
@@ -48,7 +48,7 @@ def measure(batches, warmup: int, count: int) -> float:
 
 def run_dataecho(ds: common.Records, worker_type: str, echo: float, batch: int, warmup: int, count: int) -> float:
     loader = dataecho.EchoLoader(
-        ds, batch_size=batch, echo_factor=echo, workers=2, worker_type=worker_type, shuffle_buffer=2048, seed=0
+        ds, batch_size=batch, echo_factor=echo, num_workers=2, worker_type=worker_type, shuffle_buffer=2048, seed=0
     )
     try:
         return measure(loader, warmup, count)
@@ -94,7 +94,7 @@ def cpu_split(ds: common.Records, echo: float, warmup: int, count: int) -> dict[
     """Where the CPU goes with process workers: microseconds of CPU per delivered
     example in the parent's main thread (the loop), its other threads and the
     workers, with the wall time per example, over ``count`` batches."""
-    loader = dataecho.EchoLoader(ds, batch_size=BATCH, echo_factor=echo, workers=2, worker_type="process",
+    loader = dataecho.EchoLoader(ds, batch_size=BATCH, echo_factor=echo, num_workers=2, worker_type="process",
                                  shuffle_buffer=2048, seed=0)
     try:
         it = iter(loader)

@@ -28,7 +28,7 @@ def own_noise(example):
 
 
 def make(source=None, **kwargs):
-    args = {"batch_size": 32, "echo_factor": 1.5, "shuffle_buffer": 256, "workers": 3, "seed": 7,
+    args = {"batch_size": 32, "echo_factor": 1.5, "shuffle_buffer": 256, "num_workers": 3, "seed": 7,
             "deterministic": True}
     args.update(kwargs)
     return dataecho.EchoLoader(source if source is not None else Records(N), **args)
@@ -66,14 +66,14 @@ def resume(state, epochs=2, **kwargs):
 
 PLACEMENTS = {
     "echo1.5": {},
-    "echo2": {"echo_factor": 2, "workers": 1},
-    "echo2.5-drop_last": {"echo_factor": 2.5, "drop_last": True, "prefetch": 1},
+    "echo2": {"echo_factor": 2, "num_workers": 1},
+    "echo2.5-drop_last": {"echo_factor": 2.5, "drop_last": True, "prefetch_factor": 1},
     "small-buffer": {"batch_size": 8, "shuffle_buffer": 40, "shuffle": False},
     "rank1of3": {"rank": 1, "world_size": 3},
     "augment": {"augment": noisy},
     "batch-echo": {"echo_at": "batch", "echo_factor": 2.5, "shuffle_buffer": 4},
     "batch-echo-augment": {"echo_at": "batch", "echo_factor": 2, "shuffle_buffer": 3, "augment": noisy},
-    "augment-processes": {"augment": noisy, "workers": 2, "worker_type": "process", "drop_last": True},
+    "augment-processes": {"augment": noisy, "num_workers": 2, "worker_type": "process", "drop_last": True},
 }
 
 
@@ -137,11 +137,11 @@ def test_state_taken_before_the_resumed_augment_output_exists():
 
 def test_resume_with_other_workers_and_worker_type():
     for kwargs in ({}, {"augment": noisy}):
-        reference = run(make(workers=3, **kwargs))
-        taken, state = take_then_save(make(workers=3, **kwargs), 10)
-        assert taken + resume(state, workers=2, worker_type="process", **kwargs) == reference
-        taken, state = take_then_save(make(workers=2, worker_type="process", **kwargs), 20)
-        assert taken + resume(state, workers=1, **kwargs) == reference
+        reference = run(make(num_workers=3, **kwargs))
+        taken, state = take_then_save(make(num_workers=3, **kwargs), 10)
+        assert taken + resume(state, num_workers=2, worker_type="process", **kwargs) == reference
+        taken, state = take_then_save(make(num_workers=2, worker_type="process", **kwargs), 20)
+        assert taken + resume(state, num_workers=1, **kwargs) == reference
 
 
 def test_augment_draws_from_its_generator_the_same_for_any_workers():
@@ -151,11 +151,11 @@ def test_augment_draws_from_its_generator_the_same_for_any_workers():
         seen.append(type(rng))
         return noisy(example, rng)
 
-    reference = run(make(augment=augment, workers=1), 1)
+    reference = run(make(augment=augment, num_workers=1), 1)
     assert seen and set(seen) == {np.random.Generator}
-    assert run(make(augment=noisy, workers=4), 1) == reference
-    assert run(make(augment=noisy, workers=2, worker_type="process"), 1) == reference
-    assert run(make(augment=noisy, workers=2, seed=8), 1) != reference, "another seed, other draws"
+    assert run(make(augment=noisy, num_workers=4), 1) == reference
+    assert run(make(augment=noisy, num_workers=2, worker_type="process"), 1) == reference
+    assert run(make(augment=noisy, num_workers=2, seed=8), 1) != reference, "another seed, other draws"
     draws = [noise for batch in reference for _, noise in batch]
     assert len(set(draws)) > 0.99 * len(draws), "every delivery draws from its own stream"
 
@@ -192,8 +192,7 @@ def test_resume_reads_only_resident_and_later_examples():
     rest = [rows(b) for b in loader]
     stages = state["stages"]
     intake = stages["intake"]
-    queued_rows = sum(len(q["rows"]) for name in ("intake", "intake_replay", "final_replay")
-                      for q in stages[name]["queued"])
+    queued_rows = sum(len(q["rows"]) for q in stages["intake"]["queued"] + stages["delivery"]["in_flight"])
     # Every example left to read, the resident ones, the queued rows, and the first ones, to learn the structure.
     assert sum(source.reads.values()) == (N - intake["next_seq"]) + len(intake["positions"]) + queued_rows + FIRST
     assert taken + rest == run(make(), 1)
@@ -279,7 +278,7 @@ def test_a_state_loads_only_where_it_decides_the_same_batches(change):
     name = next(iter(change))
     with pytest.raises(ValueError, match=f"saved with {name}=.*this loader has {name}="):
         make(**change).load_state_dict(state)
-    make(workers=1, prefetch=4).load_state_dict(state)  # what does not decide the batches may differ
+    make(num_workers=1, prefetch_factor=4).load_state_dict(state)  # what does not decide the batches may differ
 
 
 def test_unresumable_loaders_say_why():
@@ -303,6 +302,6 @@ def test_resume_with_batches_on_their_way_to_the_device():
         reference = run(make(**kwargs))
         for cut in (1, 3, len(reference) // 3):
             taken, state = take_then_save(make(**kwargs), cut)
-            assert len(state["stages"]["device"]["in_flight"]) >= 1
+            assert len(state["stages"]["delivery"]["in_flight"]) >= 1
             assert taken + resume(state, **kwargs) == reference, f"resumed after batch {cut}"
             assert taken + resume(state, **extra) == reference, f"resumed after batch {cut} without a device"

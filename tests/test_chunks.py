@@ -53,13 +53,13 @@ def check_id_rows(batches: Any, n: int, echo: int = 1) -> None:
 @pytest.mark.parametrize("workers", [0, 1, 2])
 @pytest.mark.parametrize("echo", [1, 2])
 def test_a_numpy_array_is_read_natively_exactly(workers, echo, seed):
-    loader = dataecho.EchoLoader(id_rows(N), batch_size=64, echo_factor=echo, workers=workers, seed=seed)
+    loader = dataecho.EchoLoader(id_rows(N), batch_size=64, echo_factor=echo, num_workers=workers, seed=seed)
     check_id_rows(loader, N, echo)
 
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_worker_processes_read_an_array_natively_exactly(persistent, seed):
-    loader = dataecho.EchoLoader(id_rows(N), batch_size=64, echo_factor=2, workers=2, worker_type="process",
+    loader = dataecho.EchoLoader(id_rows(N), batch_size=64, echo_factor=2, num_workers=2, worker_type="process",
                                  persistent_workers=persistent, seed=seed)
     for _ in range(2):
         check_id_rows(loader, N, 2)
@@ -83,7 +83,7 @@ class BatchedRows:
 
 
 def test_worker_processes_read_getitems_exactly(seed):
-    loader = dataecho.EchoLoader(BatchedRows(N), batch_size=64, echo_factor=1, workers=2, worker_type="process",
+    loader = dataecho.EchoLoader(BatchedRows(N), batch_size=64, echo_factor=1, num_workers=2, worker_type="process",
                                  seed=seed)
     check_id_rows(loader, N)
 
@@ -136,7 +136,7 @@ def test_a_buffer_protocol_source_is_read_as_its_array(seed):
 
 def test_an_array_with_a_sampler_reads_its_indices_in_its_order():
     rows = id_rows(100)
-    loader = dataecho.EchoLoader(rows, batch_size=10, echo_factor=1, sampler=[5, 99, 7, 0, 7], workers=1)
+    loader = dataecho.EchoLoader(rows, batch_size=10, echo_factor=1, sampler=[5, 99, 7, 0, 7], num_workers=1)
     got = np.concatenate(list(loader))
     assert got[:, 0].tolist() == [5, 99, 7, 0, 7], "in the sampler's order (shuffle=False at echo 1)"
 
@@ -181,7 +181,7 @@ def test_an_epochs_buffer_memory_is_kept_for_the_next_epoch_and_freed_by_close(p
     gc.disable()  # an ended epoch gives its memory back at once: no cycle waits for the collector
     try:
         source = Records(N) if per_example else id_rows(N)
-        loader = dataecho.EchoLoader(source, batch_size=64, echo_factor=2, seed=seed, workers=2)
+        loader = dataecho.EchoLoader(source, batch_size=64, echo_factor=2, seed=seed, num_workers=2)
         for _ in range(3):  # each epoch in the memory of the one before: still exact
             seen: Counter = Counter()
             if per_example:
@@ -236,7 +236,7 @@ def test_getitems_returning_the_wrong_count_is_an_error_that_names_it():
 
     source = Short(200)
     with pytest.raises(ValueError, match=r"__getitems__ returned \d+ examples for \d+ indices"):
-        list(dataecho.EchoLoader(source, batch_size=16, echo_factor=1, workers=1))
+        list(dataecho.EchoLoader(source, batch_size=16, echo_factor=1, num_workers=1))
 
 
 def test_a_transform_runs_on_each_example_getitems_returns(seed):
@@ -271,7 +271,7 @@ class SlowReads:
 def test_slow_reads_are_put_as_they_come_not_a_whole_chunk_later(iterable, seed):
     source = SlowReads(200)
     loader = dataecho.EchoLoader(iter(source) if iterable else source, batch_size=2, shuffle_buffer=4,
-                                 echo_factor=1, workers=1, seed=seed)
+                                 echo_factor=1, num_workers=1, seed=seed)
     epoch = iter(loader)
     next(epoch)
     assert source.reads < CHUNK // 4, f"the first batch came after {source.reads} reads: chunks wait for slow reads"
@@ -386,7 +386,7 @@ def test_an_arrow_column_of_lists_of_any_length_is_read_packed_as_a_ragged_leaf(
 def test_an_arrow_column_whose_inner_lists_vary_is_an_error_that_names_it():
     dataset = datasets.Dataset.from_dict({"boxes": [[[1, 2], [3, 4]]] * 100 + [[[1, 2, 3]]] * 100})
     with pytest.raises(ValueError, match="column 'boxes' holds lists of different lengths"):
-        list(dataecho.EchoLoader(dataset, batch_size=16, echo_factor=1, shuffle=False, workers=1))
+        list(dataecho.EchoLoader(dataset, batch_size=16, echo_factor=1, shuffle=False, num_workers=1))
 
 
 # ---- how many reading threads by default ----
@@ -426,6 +426,6 @@ def test_growth_asks_for_wall_over_cpu_threads_once_after_its_sample():
 
 
 def test_given_workers_are_kept_as_given(seed):
-    loader = dataecho.EchoLoader(Slow(), batch_size=32, echo_factor=1, workers=1, seed=seed)
+    loader = dataecho.EchoLoader(Slow(), batch_size=32, echo_factor=1, num_workers=1, seed=seed)
     drain(loader, Counter())
     assert len(loader.stats()["workers"]) == 1 and loader.num_workers == 1

@@ -74,7 +74,7 @@ def hf_batches(batches: Iterable[Any], columns: list[str], array_type: type) -> 
 @pytest.mark.parametrize("form", ["numpy", "torch"])
 def test_a_hugging_face_dataset_is_read_exactly_in_each_format(hf_dataset, form, output, worker_type, echo, seed):
     dataset = hf_dataset.with_format(form)  # rows as NumPy arrays, or as torch tensors
-    loader = dataecho.EchoLoader(dataset, batch_size=32, echo_factor=echo, workers=2, worker_type=worker_type,
+    loader = dataecho.EchoLoader(dataset, batch_size=32, echo_factor=echo, num_workers=2, worker_type=worker_type,
                                  output=output, shuffle_buffer=64, seed=seed)
     seen, batches = hf_batches(loader, hf_dataset.column_names, torch.Tensor if output == "torch" else np.ndarray)
     assert seen == Counter({i: echo for i in range(HF_ROWS)}), f"not every id exactly {echo} times"
@@ -86,7 +86,7 @@ def test_a_hugging_face_iterable_dataset_is_read_exactly_sharding_itself_in_proc
     # It reads its shards by torch's get_worker_info(), which dataecho's worker
     # processes fill; a worker reading every shard would deliver each id twice.
     stream = hf_dataset.to_iterable_dataset(num_shards=4).with_format("numpy")
-    loader = dataecho.EchoLoader(stream, batch_size=32, echo_factor=1, workers=2, worker_type=worker_type, seed=seed)
+    loader = dataecho.EchoLoader(stream, batch_size=32, echo_factor=1, num_workers=2, worker_type=worker_type, seed=seed)
     seen, _ = hf_batches(loader, hf_dataset.column_names, np.ndarray)
     assert seen == Counter(range(HF_ROWS))
 
@@ -162,7 +162,7 @@ def test_lightning_epochs_are_the_loaders_epochs(tmp_path, seed):
 def test_a_torch_iterable_dataset_under_thread_workers_is_read_exactly(echo, seed):
     # Thread workers share one iteration of the dataset (torch's get_worker_info()
     # is None there); the transform fans its examples out to both workers.
-    loader = dataecho.EchoLoader(torch_sources.ShardedByTorch(400), batch_size=20, echo_factor=echo, workers=2,
+    loader = dataecho.EchoLoader(torch_sources.ShardedByTorch(400), batch_size=20, echo_factor=echo, num_workers=2,
                                  worker_type="thread", transform=dict, seed=seed)
     seen: Counter = Counter()
     for batch in loader:

@@ -36,7 +36,7 @@ def test_set_epoch_keeps_ranks_on_one_permutation_despite_an_extra_iter(seed):
 
 
 def test_without_set_epoch_each_iter_is_the_next_epoch_and_set_epoch_fixes_it(seed):
-    loader = dataecho.EchoLoader(Records(64), batch_size=8, echo_factor=1, workers=1, shuffle_buffer=8, seed=seed)
+    loader = dataecho.EchoLoader(Records(64), batch_size=8, echo_factor=1, num_workers=1, shuffle_buffer=8, seed=seed)
     orders = [list(loader.sampler) for _ in range(1)]
     first = [checked_ids(b).tolist() for b in loader]
     second = [checked_ids(b).tolist() for b in loader]
@@ -180,7 +180,7 @@ def test_a_weighted_random_sampler_is_followed(seed):
 
 def test_worker_init_fn_runs_once_in_each_thread_worker(seed):
     calls = []
-    loader = dataecho.EchoLoader(Records(200), batch_size=8, workers=3,
+    loader = dataecho.EchoLoader(Records(200), batch_size=8, num_workers=3,
                                  worker_init_fn=lambda i: calls.append((i, threading.current_thread())), seed=seed)
     ids(loader)
     assert sorted(i for i, _ in calls) == [0, 1, 2]
@@ -189,7 +189,7 @@ def test_worker_init_fn_runs_once_in_each_thread_worker(seed):
 
 
 def test_worker_init_fn_runs_in_each_worker_process_before_it_reads(seed):
-    loader = dataecho.EchoLoader(MarkedRecords(400, delay_s=0.0005), batch_size=8, workers=2,
+    loader = dataecho.EchoLoader(MarkedRecords(400, delay_s=0.0005), batch_size=8, num_workers=2,
                                  worker_type="process", worker_init_fn=mark_worker, seed=seed)
     marks = {}
     for batch in loader:
@@ -204,7 +204,7 @@ def test_worker_init_fn_runs_in_each_worker_process_before_it_reads(seed):
 
 
 def test_timeout_raises_when_no_batch_comes_in_time(seed):
-    loader = dataecho.EchoLoader(Records(100), batch_size=8, workers=1, worker_type="process", transform=Stall(60),
+    loader = dataecho.EchoLoader(Records(100), batch_size=8, num_workers=1, worker_type="process", transform=Stall(60),
                                  timeout=0.5, seed=seed)
     with pytest.raises(RuntimeError, match=r"timed out after 0.5 seconds"):
         next(iter(loader))
@@ -215,7 +215,7 @@ def test_generator_seeds_the_order_when_no_seed_is_given():
     torch = pytest.importorskip("torch")
 
     def order(**kwargs):
-        loader = dataecho.EchoLoader(Records(64), batch_size=8, echo_factor=1, workers=1, shuffle_buffer=8, **kwargs)
+        loader = dataecho.EchoLoader(Records(64), batch_size=8, echo_factor=1, num_workers=1, shuffle_buffer=8, **kwargs)
         return [checked_ids(b).tolist() for b in loader]
 
     assert order(generator=torch.Generator().manual_seed(3)) == order(generator=torch.Generator().manual_seed(3))
@@ -227,10 +227,11 @@ def test_multiprocessing_context_means_worker_processes_and_prefetch_factor_is_p
     import multiprocessing
 
     loader = dataecho.EchoLoader(Records(10), num_workers=3, multiprocessing_context="spawn", prefetch_factor=4)
-    assert (loader.worker_type, loader.start_method, loader.prefetch) == ("process", "spawn", 12)
+    assert (loader.worker_type, loader.multiprocessing_context, loader.prefetch_factor) == ("process", "spawn", 4)
+    assert loader.config.prefetch == 12, "batches assembled ahead: prefetch_factor per worker"
     context = dataecho.EchoLoader(Records(10), num_workers=1,
                                   multiprocessing_context=multiprocessing.get_context("spawn"))
-    assert (context.worker_type, context.start_method) == ("process", "spawn")
+    assert (context.worker_type, context.multiprocessing_context) == ("process", "spawn")
 
 
 def test_the_attributes_tools_read():
@@ -249,7 +250,7 @@ def test_num_workers_0_with_deterministic_matches_workers_and_resumes(seed):
 
     for _ in range(5):
         inline = [checked_ids(b).tolist() for b in make(num_workers=0)]
-        assert inline == [checked_ids(b).tolist() for b in make(workers=3)]
+        assert inline == [checked_ids(b).tolist() for b in make(num_workers=3)]
     first = make(num_workers=0)
     epoch = iter(first)
     head = [checked_ids(next(epoch)).tolist() for _ in range(10)]
@@ -270,14 +271,14 @@ def _batched(ids: list[int], size: int) -> list[list[int]]:
 
 
 IN_ORDER_CASES = {
-    "threads": {"workers": 4},
+    "threads": {"num_workers": 4},
     "inline": {"num_workers": 0},
-    "processes": {"worker_type": "process", "workers": 3},
-    "augment": {"augment": lambda example: example, "workers": 3},
-    "batch echo at 1": {"echo_at": "batch", "workers": 3},
-    "torch output": {"output": "torch", "workers": 2},
-    "drop_last": {"drop_last": True, "workers": 2},
-    "small buffer": {"shuffle_buffer": 7, "workers": 2},
+    "processes": {"worker_type": "process", "num_workers": 3},
+    "augment": {"augment": lambda example: example, "num_workers": 3},
+    "batch echo at 1": {"echo_at": "batch", "num_workers": 3},
+    "torch output": {"output": "torch", "num_workers": 2},
+    "drop_last": {"drop_last": True, "num_workers": 2},
+    "small buffer": {"shuffle_buffer": 7, "num_workers": 2},
 }
 
 
@@ -299,18 +300,18 @@ def test_shuffle_false_at_echo_1_yields_the_datasets_order(case, seed):
 
 def test_shuffle_false_follows_a_samplers_order_and_each_ranks_shard(seed):
     order = [int(i) for i in np.random.default_rng(seed % 2**32).permutation(300)]
-    loader = dataecho.EchoLoader(Records(300, jitter=0.02), batch_size=16, echo_factor=1, sampler=order, workers=3,
+    loader = dataecho.EchoLoader(Records(300, jitter=0.02), batch_size=16, echo_factor=1, sampler=order, num_workers=3,
                                  seed=seed)
     assert _in_order_ids(loader) == _batched(order, 16)
     ranks = [dataecho.EchoLoader(Records(300), batch_size=16, echo_factor=1, shuffle=False, rank=r, world_size=2,
-                                 workers=2, seed=seed) for r in range(2)]
+                                 num_workers=2, seed=seed) for r in range(2)]
     # As DistributedSampler(shuffle=False): rank r reads r, r + 2, r + 4, ...
     assert [_in_order_ids(loader) for loader in ranks] == [_batched(list(range(r, 300, 2)), 16) for r in range(2)]
 
 
 def test_shuffle_false_over_an_iterable_read_by_threads_keeps_its_order(seed):
     stream = Stream(500)
-    loader = dataecho.EchoLoader(stream, batch_size=32, echo_factor=1, shuffle=False, workers=3, seed=seed)
+    loader = dataecho.EchoLoader(stream, batch_size=32, echo_factor=1, shuffle=False, num_workers=3, seed=seed)
     assert _in_order_ids(loader) == _batched(list(range(500)), 32)
 
 

@@ -13,21 +13,21 @@ import dataecho
 def ids(**kwargs):
     args = {"batch_size": 32, "echo_factor": 1.5, "seed": 11, "deterministic": True}
     args.update(kwargs)
-    loader = dataecho.EchoLoader(args.pop("source", Records(3000, jitter=0.05)), **args)
+    loader = dataecho.EchoLoader(args.pop("dataset", Records(3000, jitter=0.05)), **args)
     return [b["id"].tolist() for b in loader], loader
 
 
 def test_same_batches_for_any_number_of_threads():
-    reference, loader = ids(workers=1)
+    reference, loader = ids(num_workers=1)
     for workers in (2, 5):
-        assert ids(workers=workers)[0] == reference
+        assert ids(num_workers=workers)[0] == reference
     assert len(reference) == len(loader)
     assert sum(map(len, reference)) == 3000 + 1500, "exactly floor(n * 0.5) examples get the extra echo"
 
 
 def test_same_batches_with_process_workers():
-    reference, _ = ids(workers=1, source=Records(2000))
-    assert ids(workers=2, worker_type="process", source=Records(2000))[0] == reference
+    reference, _ = ids(num_workers=1, dataset=Records(2000))
+    assert ids(num_workers=2, worker_type="process", dataset=Records(2000))[0] == reference
 
 
 def test_same_batches_with_augment_and_batch_echo():
@@ -35,7 +35,7 @@ def test_same_batches_with_augment_and_batch_echo():
         return {"id": example["id"], "payload": example["payload"] * 2}
 
     for kwargs in ({"augment": augment}, {"echo_at": "batch", "echo_factor": 2.5}):
-        assert ids(workers=1, **kwargs)[0] == ids(workers=4, **kwargs)[0]
+        assert ids(num_workers=1, **kwargs)[0] == ids(num_workers=4, **kwargs)[0]
 
 
 def test_iterable_source_with_transform_workers():
@@ -44,16 +44,16 @@ def test_iterable_source_with_transform_workers():
 
     def run(workers):
         loader = dataecho.EchoLoader(iter(range(2000)), batch_size=32, echo_factor=2, transform=double,
-                                     workers=workers, seed=2, deterministic=True)
+                                     num_workers=workers, seed=2, deterministic=True)
         return np.concatenate(list(loader)).tolist()
 
     assert run(1) == run(4)
 
 
 def test_seed_and_epoch_change_the_sequence():
-    reference, _ = ids(workers=2)
-    assert ids(workers=2, seed=12)[0] != reference
-    loader = dataecho.EchoLoader(Records(3000, jitter=0.05), batch_size=32, echo_factor=1.5, seed=11, deterministic=True, workers=3)
+    reference, _ = ids(num_workers=2)
+    assert ids(num_workers=2, seed=12)[0] != reference
+    loader = dataecho.EchoLoader(Records(3000, jitter=0.05), batch_size=32, echo_factor=1.5, seed=11, deterministic=True, num_workers=3)
     first = [b["id"].tolist() for b in loader]
     second = [b["id"].tolist() for b in loader]
     assert first == reference, "epoch 0 is the same whatever the worker count"
@@ -75,7 +75,7 @@ def test_deterministic_intake_has_room_for_a_batch_out_of_order(worker_type):
         dataecho.EchoLoader(Records(100), batch_size=32, shuffle_buffer=63, deterministic=True)
     for epoch in range(3):
         loader = dataecho.EchoLoader(Records(1000, jitter=0.05), batch_size=32, shuffle_buffer=64, echo_factor=1,
-                                     workers=4, deterministic=True, seed=epoch, worker_type=worker_type)
+                                     num_workers=4, deterministic=True, seed=epoch, worker_type=worker_type)
         ids = sorted(i for batch in loader for i in batch["id"].tolist())
         assert ids == list(range(1000))
 

@@ -22,7 +22,7 @@ TESTS = str(Path(__file__).parent)
 
 def shard_ids(n, rank, world_size, **kwargs):
     loader = dataecho.EchoLoader(
-        range(n), batch_size=16, rank=rank, world_size=world_size, seed=3, workers=2, **kwargs
+        range(n), batch_size=16, rank=rank, world_size=world_size, seed=3, num_workers=2, **kwargs
     )
     batches = [b.copy() for b in loader]
     return batches, loader

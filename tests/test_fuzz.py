@@ -996,7 +996,7 @@ def loader_arguments(draw):
     sources = [Records(n, form=form), Stream(n, form=form), [shaped(i, form) for i in range(n)]]
     if form == "scalar":
         sources.append(np.arange(n))
-    kwargs = {"source": pick("source", st.sampled_from(sources), ODD_SOURCES)}
+    kwargs = {"dataset": pick("dataset", st.sampled_from(sources), ODD_SOURCES)}
     kwargs["batch_size"] = pick("batch_size", st.integers(1, 6))
     batch = _int_like(kwargs["batch_size"]) or 1
     choices = [np.array(["example", "batch"]), np.str_("batch"), "Example", None, 1]
@@ -1006,20 +1006,24 @@ def loader_arguments(draw):
         transform=pick("transform", st.sampled_from([None, doubled]), [print, "f"]),
         augment=pick("augment", st.sampled_from([None, plus_one]), [print, 3]),
         shuffle_buffer=pick("shuffle_buffer", st.one_of(st.none(), st.integers(max(1, min(batch, 64)), 64))),
-        workers=pick("workers", st.integers(1, 3), [1024, 1025]),
+        num_workers=pick("num_workers", st.integers(1, 3), [1024, 1025]),
         shuffle=pick("shuffle", st.booleans()),
         seed=pick("seed", st.one_of(st.none(), st.integers(0, 2**64 - 1))),
         drop_last=pick("drop_last", st.booleans()),
-        prefetch=pick("prefetch", st.integers(1, 3)),
+        prefetch_factor=pick("prefetch_factor", st.integers(1, 3)),
         max_echo=pick("max_echo", st.sampled_from([1.0, 2.5, 4])),
         output=pick("output", st.sampled_from(["numpy", "torch"] if torch is not None else ["numpy"]), choices),
         pin_memory=pick("pin_memory", st.just(False)),
         device=pick("device", st.sampled_from([None, None, "cpu"] if torch is not None else [None]), ["cuda:x", "meta", -1, 2**64]),
         worker_type=pick("worker_type", st.sampled_from(["thread"] * 6 + ["process"]), choices),
-        start_method=pick("start_method", st.sampled_from([None, "spawn", "forkserver"]), ["fork", np.array(["a", "b"])]),
     )
+    # DataLoader's multiprocessing_context means worker processes: drawn for them.
+    processes = isinstance(kwargs["worker_type"], str) and kwargs["worker_type"] == "process"
+    methods = [None, "spawn", "forkserver"] if processes else [None]
+    kwargs["multiprocessing_context"] = pick("multiprocessing_context", st.sampled_from(methods),
+                                             ["fork", "spawn", np.array(["a", "b"])])
     for name in draw(st.lists(st.sampled_from(sorted(kwargs)), max_size=3, unique=True)):
-        if name != "source":
+        if name != "dataset":
             del kwargs[name]
             odd.discard(name)
     return kwargs, odd, n, form
@@ -1034,11 +1038,11 @@ def invalid_loader_arguments(kw: dict) -> tuple[set, set]:
     from collections.abc import Iterable
 
     bad, unsure = set(), set()
-    source = kw["source"]
+    source = kw["dataset"]
     map_style = hasattr(source, "__len__") and hasattr(source, "__getitem__") and not isinstance(source, (str, bytes))
     if not (map_style or isinstance(source, Iterable)):
-        bad.add("source")
-    batch = kw.get("batch_size", 256)
+        bad.add("dataset")
+    batch = kw.get("batch_size", 1)
     if not valid_positive_int(batch):
         bad.add("batch_size")
     echo = kw.get("echo_factor", 2.0)
@@ -1063,16 +1067,17 @@ def invalid_loader_arguments(kw: dict) -> tuple[set, set]:
     if "batch_size" not in bad and operator.index(batch) * held > 2**31:
         bad.add("batch_size")
     # None stands for the default where DataLoader's names may give the value instead.
-    workers = kw.get("workers")
+    workers = kw.get("num_workers")
     if workers is not None and not (valid_positive_int(workers, 1024) or _int_like(workers) == 0):
-        bad.add("workers")
+        bad.add("num_workers")
     for name in ("shuffle", "drop_last", "pin_memory"):
         if not isinstance(kw.get(name, False), bool) and not (name == "shuffle" and kw[name] is None):
             bad.add(name)
     if not valid_seed(kw.get("seed")):
         bad.add("seed")
-    if kw.get("prefetch") is not None and not valid_positive_int(kw["prefetch"], 1 << 16):
-        bad.add("prefetch")
+    factor = kw.get("prefetch_factor")
+    if factor is not None and (not valid_positive_int(factor, 1 << 16) or _int_like(workers) == 0):
+        bad.add("prefetch_factor")  # per worker, as in DataLoader: not with num_workers=0
     if not valid_real(kw.get("max_echo", 4.0)):
         bad.add("max_echo")
     if not _choice(kw.get("output", "numpy"), ("numpy", "torch")):
@@ -1081,16 +1086,20 @@ def invalid_loader_arguments(kw: dict) -> tuple[set, set]:
         unsure.add("pin_memory")  # needs CUDA
     if kw.get("device") is not None:
         unsure.add("device")
-    worker_type = kw.get("worker_type") or "thread"
+    method = kw.get("multiprocessing_context")
+    worker_type = kw.get("worker_type")
+    if worker_type is None:
+        worker_type = "thread" if method is None else "process"
     if not _choice(worker_type, ("thread", "process")):
         bad.add("worker_type")
+    elif method is not None and worker_type != "process":
+        bad.add("multiprocessing_context")  # it means worker processes
     elif worker_type == "process":
         if workers is not None and _int_like(workers) == 0:
-            bad.add("workers")  # 0 reads in the calling thread
-        method = kw.get("start_method")
+            bad |= {"num_workers", "multiprocessing_context"}  # 0 reads in the calling thread
         if method is not None and not _choice(method, ("spawn", "forkserver")):
-            bad.add("start_method")
-        unsure |= {"source", "transform"}  # must be picklable
+            bad.add("multiprocessing_context")
+        unsure |= {"dataset", "transform"}  # must be picklable
     return bad, unsure
 
 
@@ -1100,7 +1109,7 @@ def run_epochs(loader, epochs: int) -> list[list]:
 
 def check_epoch(batches, kw: dict, n: int, form: str) -> int:
     """Exact accounting of one epoch from a source of `n` examples of `form`."""
-    batch_size = kw.get("batch_size", 256)
+    batch_size = kw.get("batch_size", 1)
     transform, augment = kw.get("transform"), kw.get("augment")
 
     def f(x):
@@ -1152,15 +1161,15 @@ def test_echo_loader_takes_any_arguments(arguments, epochs):
     with loader:
         assert not bad, f"EchoLoader() accepted invalid {sorted(bad)}"
         assert dataecho_threads() == threads_before, "the constructor started threads"
-        batch, buffer = kw.get("batch_size", 256), kw.get("shuffle_buffer") or 0
+        batch, buffer = kw.get("batch_size", 1), kw.get("shuffle_buffer") or 0
         echo = kw.get("echo_factor", 2.0)
         runnable = (
-            (kw.get("worker_type") or "thread") == "thread"
+            (kw.get("worker_type") or ("thread" if kw.get("multiprocessing_context") is None else "process")) == "thread"
             and not kw.get("pin_memory", False)
             and kw.get("device") in (None, "cpu")
             and operator.index(batch) <= 64
             and buffer <= 4096
-            and operator.index(kw.get("workers") or 2) <= 4
+            and operator.index(kw.get("num_workers") or 2) <= 4
             and (echo == "auto" and float(kw.get("max_echo", 4.0)) <= 4 or echo != "auto" and float(echo) <= 4)
         )
         if not runnable:
@@ -1168,7 +1177,7 @@ def test_echo_loader_takes_any_arguments(arguments, epochs):
             return
         # An odd source, or a callable like print for transform or augment,
         # may make examples that fail in the epoch (naming the example).
-        odd_source = bool(odd & {"source", "transform", "augment"})
+        odd_source = bool(odd & {"dataset", "transform", "augment"})
         try:
             results = bounded(lambda: run_epochs(loader, epochs), 20, on_timeout=loader.close)
         except Exception as exc:
@@ -1179,7 +1188,7 @@ def test_echo_loader_takes_any_arguments(arguments, epochs):
         if odd_source:
             event("epoch over an odd source ran")
             return
-        event(f"epochs checked ({kw.get('echo_at', 'example')}, {'augment' if kw.get('augment') else 'no augment'}, {type(kw['source']).__name__})")
+        event(f"epochs checked ({kw.get('echo_at', 'example')}, {'augment' if kw.get('augment') else 'no augment'}, {type(kw['dataset']).__name__})")
         total = 0
         for batches in results:
             total += check_epoch(batches, kw, n, form)
@@ -1300,9 +1309,9 @@ def test_huge_ints_for_number_arguments_are_named(name):
             dataecho.ShuffleBuffer(((), "uint8"), capacity=2, batch_size=1, **{"echo_factor": "auto", name: huge})
 
 
-@pytest.mark.parametrize("name", ["echo_at", "output", "worker_type", "start_method"])
+@pytest.mark.parametrize("name", ["echo_at", "output", "worker_type", "multiprocessing_context"])
 def test_an_array_for_a_string_choice_is_named(name):
-    extra = {"worker_type": "process"} if name == "start_method" else {}
+    extra = {"worker_type": "process"} if name == "multiprocessing_context" else {}
     with pytest.raises((TypeError, ValueError), match=name):
         dataecho.EchoLoader([1], **extra, **{name: np.array(["example", "numpy"])})
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import dataecho
-from dataecho.native.buffer import HOLD_MIN_BYTES
+from dataecho.native.hold import HOLD_MIN_BYTES
 
 IMAGE = 2 * HOLD_MIN_BYTES  # bytes per example: holdable
 FIELDS = {"id": ((), "int64"), "image": ((IMAGE,), "uint8")}
@@ -222,7 +222,7 @@ class Images:
 @pytest.mark.parametrize("workers", [0, 2])
 def test_loader_delivers_large_examples_a_dataset_returns(seed, workers):
     # Copied into slots (the loader keeps them from one epoch to the next).
-    loader = dataecho.EchoLoader(Images(300), batch_size=16, echo_factor=2, shuffle_buffer=64, workers=workers,
+    loader = dataecho.EchoLoader(Images(300), batch_size=16, echo_factor=2, shuffle_buffer=64, num_workers=workers,
                                  seed=seed)
     for _ in range(2):
         counts = Counter()

@@ -66,7 +66,7 @@ def test_example_echo_after_augmentation_repeats_the_transformed_example(seed):
     assert sorted(seen) == list(range(2000)) and set(seen.values()) == {2}
     for stamps in stamps_by_id(batches).values():
         assert len(set(stamps)) == 1, "both deliveries carry the one transformed copy"
-    assert loader.source.reads == Counter({i: 1 for i in range(2000)}), "each example is read once"
+    assert loader.dataset.reads == Counter({i: 1 for i in range(2000)}), "each example is read once"
 
 
 def test_example_echo_before_augmentation_augments_every_repeat_anew(seed):
@@ -145,7 +145,7 @@ def test_fractional_echo_factor_mean(seed):
 
 def test_auto_rises_under_a_slow_upstream(seed):
     loader = dataecho.EchoLoader(
-        Records(300, delay_s=0.004), batch_size=16, echo_factor="auto", max_echo=4.0, workers=1,
+        Records(300, delay_s=0.004), batch_size=16, echo_factor="auto", max_echo=4.0, num_workers=1,
         shuffle_buffer=256, seed=seed,
     )
     seen = ids_of(list(loader))
@@ -167,7 +167,7 @@ def test_auto_stays_near_one_under_a_fast_upstream(seed):
 
 def test_auto_batch_echo_repeats_only_when_the_upstream_lags(seed):
     slow = dataecho.EchoLoader(
-        Records(200, delay_s=0.005), batch_size=10, echo_factor="auto", echo_at="batch", workers=1, seed=seed
+        Records(200, delay_s=0.005), batch_size=10, echo_factor="auto", echo_at="batch", num_workers=1, seed=seed
     )
     list(slow)
     assert slow.stats()["echo_factor_achieved"] > 2.0
@@ -277,7 +277,7 @@ def test_two_threads_starting_epochs_at_once_never_end_one_short(seed):
 
 
 def test_leaving_an_epoch_early_stops_its_threads(seed):
-    loader = dataecho.EchoLoader(Records(100_000), batch_size=32, echo_factor=2, workers=3, seed=seed)
+    loader = dataecho.EchoLoader(Records(100_000), batch_size=32, echo_factor=2, num_workers=3, seed=seed)
     epoch = iter(loader)
     for i, _ in enumerate(epoch):
         if i == 5:
@@ -289,7 +289,7 @@ def test_leaving_an_epoch_early_stops_its_threads(seed):
 
 def test_dropping_an_epoch_stops_its_threads(seed):
     # Leaving a for loop drops its iterator, the epoch: nothing else would stop it.
-    loader = dataecho.EchoLoader(Records(100_000), batch_size=32, echo_factor=2, workers=3, seed=seed)
+    loader = dataecho.EchoLoader(Records(100_000), batch_size=32, echo_factor=2, num_workers=3, seed=seed)
     for i, _ in enumerate(loader):
         if i == 5:
             break
@@ -361,7 +361,7 @@ def test_mixed_structures_round_trip():
 )
 def test_a_mismatching_example_names_the_field(bad, pattern):
     examples = [{"image": np.zeros((2, 2)), "label": i} for i in range(50)] + [bad]
-    loader = dataecho.EchoLoader(examples, batch_size=8, echo_factor=1, shuffle=False, workers=1, seed=0)
+    loader = dataecho.EchoLoader(examples, batch_size=8, echo_factor=1, shuffle=False, num_workers=1, seed=0)
     with pytest.raises((TypeError, ValueError), match=pattern):
         list(loader)
 
@@ -370,7 +370,7 @@ def test_a_mismatching_example_names_the_field(bad, pattern):
 
 
 def test_epochs_reshuffle_and_deliver_everything(seed):
-    loader = dataecho.EchoLoader(Records(500), batch_size=50, echo_factor=2, seed=seed, workers=1)
+    loader = dataecho.EchoLoader(Records(500), batch_size=50, echo_factor=2, seed=seed, num_workers=1)
     first = [b["id"].copy() for b in loader]
     second = [b["id"].copy() for b in loader]
     for epoch in (first, second):
@@ -383,7 +383,7 @@ def test_epochs_reshuffle_and_deliver_everything(seed):
 
 def test_same_seed_one_worker_same_batches():
     def run(seed):
-        loader = dataecho.EchoLoader(Records(1000), batch_size=32, echo_factor=1.5, workers=1, seed=seed)
+        loader = dataecho.EchoLoader(Records(1000), batch_size=32, echo_factor=1.5, num_workers=1, seed=seed)
         return np.concatenate([b["id"] for b in loader])
 
     np.testing.assert_array_equal(run(7), run(7))
@@ -436,7 +436,7 @@ def test_batch_echo_keeps_the_short_batch_last(echo, seed):
 def test_auto_batch_echo_repeats_nothing_after_the_short_batch():
     # The race the loader test above can only sometimes hit: the short batch has
     # been taken in and delivered, and the upstream is slow to say it is done.
-    from dataecho.pipeline.batch_echo import BatchEchoStage
+    from dataecho.pipeline.batch_echo import BatchEchoSpec, BatchEchoStage
     from dataecho.pipeline.stage import Batch
 
     class Upstream:
@@ -450,7 +450,8 @@ def test_auto_batch_echo_repeats_nothing_after_the_short_batch():
                 raise TimeoutError  # not over yet: the consumer would wait
             raise StopIteration
 
-    stage = BatchEchoStage(Upstream(), resident=4, batch_size=8, echo_factor=None, max_echo=4.0, seed=0)
+    spec = BatchEchoSpec(resident=4, batch_size=8, echo_factor=None, max_echo=4.0, exact=False)
+    stage = BatchEchoStage(spec, Upstream(), seed=0)
     sizes = []
     with pytest.raises(StopIteration):
         while True:
@@ -542,7 +543,7 @@ def test_pinned_batches_reach_the_gpu(seed):
 @pytest.mark.parametrize(
     "kwargs,error,pattern",
     [
-        ({"source": 5}, TypeError, "source"),
+        ({"dataset": 5}, TypeError, "dataset"),
         ({"batch_size": 0}, ValueError, "batch_size"),
         ({"echo_factor": 0.5}, ValueError, "echo_factor"),
         ({"echo_factor": "twice"}, ValueError, "echo_factor"),
@@ -551,20 +552,17 @@ def test_pinned_batches_reach_the_gpu(seed):
         ({"augment": "flip"}, TypeError, "augment"),
         ({"shuffle_buffer": 0}, ValueError, "shuffle_buffer"),
         ({"shuffle_buffer": 10, "batch_size": 64}, ValueError, "shuffle_buffer"),
-        ({"workers": -1}, ValueError, "workers"),
-        ({"workers": 0, "worker_type": "process"}, ValueError, "workers"),
+        ({"num_workers": -1}, ValueError, "num_workers"),
+        ({"num_workers": 0, "worker_type": "process"}, ValueError, "num_workers"),
         ({"num_workers": 1.5}, TypeError, "num_workers"),
-        ({"workers": 2, "num_workers": 2}, TypeError, "workers and num_workers"),
-        ({"source": None}, TypeError, "source"),
-        ({"dataset": range(3)}, TypeError, "source and dataset"),
+        ({"dataset": None}, TypeError, "dataset"),
         ({"batch_sampler": [[0, 1]]}, ValueError, "batch_sampler"),
         ({"sampler": [0, 1], "shuffle": True}, ValueError, "sampler"),
         ({"sampler": 3}, TypeError, "sampler"),
-        ({"source": iter(range(3)), "sampler": [0]}, ValueError, "sampler"),
+        ({"dataset": iter(range(3)), "sampler": [0]}, ValueError, "sampler"),
         ({"collate_fn": "stack"}, TypeError, "collate_fn"),
         ({"worker_init_fn": 1}, TypeError, "worker_init_fn"),
         ({"prefetch_factor": 0}, ValueError, "prefetch_factor"),
-        ({"prefetch_factor": 2, "prefetch": 2}, TypeError, "prefetch and prefetch_factor"),
         ({"prefetch_factor": 2, "num_workers": 0}, ValueError, "prefetch_factor"),
         ({"generator": 5}, TypeError, "generator"),
         ({"timeout": -1}, ValueError, "timeout"),
@@ -575,13 +573,15 @@ def test_pinned_batches_reach_the_gpu(seed):
         ({"pin_memory_device": 0}, TypeError, "pin_memory_device"),
         ({"shuffle": "yes"}, TypeError, "shuffle"),
         ({"seed": -3}, ValueError, "seed"),
-        ({"prefetch": 0}, ValueError, "prefetch"),
+        ({"prefetch_factor": 0, "num_workers": 2}, ValueError, "prefetch_factor"),
+        ({"source": range(3)}, TypeError, "source"),
+        ({"workers": 2}, TypeError, "workers"),
         ({"max_echo": 0.9}, ValueError, "max_echo"),
         ({"output": "jax"}, ValueError, "output"),
         ({"pin_memory": 1}, TypeError, "pin_memory"),
     ],
 )
 def test_bad_arguments(kwargs, error, pattern):
-    args = {"source": range(100), **kwargs}
+    args = {"dataset": range(100), **kwargs}
     with pytest.raises(error, match=pattern):
         dataecho.EchoLoader(**args)

@@ -53,7 +53,7 @@ def test_a_running_epoch_counts_what_it_delivered_so_far(seed):
 
 
 def test_an_epoch_ended_by_an_error_is_failed(seed):
-    loader = dataecho.EchoLoader(Records(100, fail_at=40), batch_size=10, seed=seed, workers=1)
+    loader = dataecho.EchoLoader(Records(100, fail_at=40), batch_size=10, seed=seed, num_workers=1)
     with pytest.raises(InjectedFault):
         list(loader)
     stats = loader.stats()
@@ -61,7 +61,7 @@ def test_an_epoch_ended_by_an_error_is_failed(seed):
 
 
 def test_flat_stats_are_numbers_under_prefixed_names_that_match_the_nested_ones(seed):
-    loader = _loader(seed, workers=2)
+    loader = _loader(seed, num_workers=2)
     for _ in range(2):  # the second epoch knows the structure: the workers read every example
         list(loader)
     nested, flat = loader.stats(), loader.stats(flat=True)
@@ -75,6 +75,19 @@ def test_flat_stats_are_numbers_under_prefixed_names_that_match_the_nested_ones(
     bare = loader.stats(flat=True, prefix="")
     assert set(bare) == {name[len("dataecho/"):] for name in flat}
     assert "train/data/this_epoch/fresh" in loader.stats(flat=True, prefix="train/data")
+
+
+def test_batch_echo_and_augment_counts_reach_stats(seed):
+    # 1000 examples in 20 batches of 50; batch echo at 2 yields each batch twice.
+    loader = _loader(seed, echo_at="batch", augment=lambda x: x + 1)
+    delivered = [len(batch) for batch in loader]
+    this = loader.stats()["this_epoch"]
+    assert this["fresh_batches"] == 20 and this["delivered_batches"] == len(delivered) == 40
+    assert this["augmented"] == sum(delivered) == 2000, "every repeat is augmented anew"
+    plain = _loader(seed)
+    list(plain)
+    assert plain.stats()["this_epoch"]["fresh_batches"] == plain.stats()["augmented"] == 0
+    assert loader.stats(flat=True)["dataecho/delivered_batches"] == 40
 
 
 def test_each_epoch_is_logged_once_at_info_with_its_figures(seed, caplog):

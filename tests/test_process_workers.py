@@ -47,7 +47,7 @@ def ids(batches):
 
 def test_map_style_every_example_echoed_exactly(seed):
     loader = dataecho.EchoLoader(
-        Records(3000), batch_size=64, echo_factor=2, workers=2, worker_type="process", seed=seed
+        Records(3000), batch_size=64, echo_factor=2, num_workers=2, worker_type="process", seed=seed
     )
     batches = list(loader)
     seen = ids(batches)
@@ -69,7 +69,7 @@ def test_map_style_every_example_echoed_exactly(seed):
 def test_iterable_shards_with_worker_info_and_transform_types(seed):
     pytest.importorskip("torch")
     loader = dataecho.EchoLoader(
-        Stream(2000, tag_worker=True), batch_size=50, echo_factor=1, workers=2, worker_type="process",
+        Stream(2000, tag_worker=True), batch_size=50, echo_factor=1, num_workers=2, worker_type="process",
         transform=with_pid_and_tensor, seed=seed,
     )
     batches = list(loader)
@@ -87,7 +87,7 @@ def test_a_torch_iterable_dataset_shards_itself_with_torch_worker_info(seed):
     # As under DataLoader(num_workers=2): each worker reads its shard, once.
     torch_sources = pytest.importorskip("torch_sources")
     loader = dataecho.EchoLoader(
-        torch_sources.ShardedByTorch(400), batch_size=20, echo_factor=1, workers=2, worker_type="process", seed=seed,
+        torch_sources.ShardedByTorch(400), batch_size=20, echo_factor=1, num_workers=2, worker_type="process", seed=seed,
     )
     batches = list(loader)
     rows = {}
@@ -108,21 +108,21 @@ def test_a_torch_iterable_dataset_shards_itself_with_torch_worker_info(seed):
 
 
 def test_unpicklable_source_or_transform_fails_at_construction():
-    with pytest.raises(TypeError, match="source: worker_type='process'.*pickled"):
+    with pytest.raises(TypeError, match="dataset: worker_type='process'.*pickled"):
         dataecho.EchoLoader((i for i in range(10)), worker_type="process")
     with pytest.raises(TypeError, match="transform: worker_type='process'.*pickled"):
         dataecho.EchoLoader(range(10), worker_type="process", transform=lambda x: x)
-    with pytest.raises(ValueError, match="start_method: 'fork' is unsafe"):
-        dataecho.EchoLoader(range(10), worker_type="process", start_method="fork")
+    with pytest.raises(ValueError, match="multiprocessing_context: 'fork' is unsafe"):
+        dataecho.EchoLoader(range(10), worker_type="process", multiprocessing_context="fork")
     with pytest.raises(ValueError, match="worker_type"):
         dataecho.EchoLoader(range(10), worker_type="greenlet")
     with pytest.raises(ValueError, match="workers: expected at most 256 worker processes"):
-        dataecho.EchoLoader(range(10), workers=257, worker_type="process")
+        dataecho.EchoLoader(range(10), num_workers=257, worker_type="process")
 
 
 def test_worker_exception_is_raised_with_the_workers_traceback(seed):
     loader = dataecho.EchoLoader(
-        Records(5000, fail_at=1234), batch_size=32, echo_factor=1, workers=2,
+        Records(5000, fail_at=1234), batch_size=32, echo_factor=1, num_workers=2,
         worker_type="process", shuffle=False, seed=seed,
     )
     with pytest.raises(InjectedFault, match="record 1234 is corrupt") as info:
@@ -134,7 +134,7 @@ def test_worker_exception_is_raised_with_the_workers_traceback(seed):
 
 def test_a_killed_worker_is_reported_within_a_second(seed):
     loader = dataecho.EchoLoader(
-        Records(100_000, delay_s=0.0005), batch_size=16, echo_factor=1, workers=2,
+        Records(100_000, delay_s=0.0005), batch_size=16, echo_factor=1, num_workers=2,
         worker_type="process", seed=seed,
     )
     it = iter(loader)
@@ -150,7 +150,7 @@ def test_a_killed_worker_is_reported_within_a_second(seed):
 
 def test_a_worker_that_kills_itself_mid_put_does_not_hang(seed):
     loader = dataecho.EchoLoader(
-        Records(3000), batch_size=16, echo_factor=2, workers=2, worker_type="process",
+        Records(3000), batch_size=16, echo_factor=2, num_workers=2, worker_type="process",
         transform=suicide_at_500, seed=seed,
     )
     with pytest.raises(RuntimeError, match="killed by SIGKILL"):
@@ -161,7 +161,7 @@ def test_a_worker_that_kills_itself_mid_put_does_not_hang(seed):
 def test_a_worker_that_exits_before_its_share_is_done_is_an_error(status, seed):
     # Exit status 0 too: the examples the worker would have read are missing.
     loader = dataecho.EchoLoader(
-        Records(3000), batch_size=16, echo_factor=2, workers=2, worker_type="process",
+        Records(3000), batch_size=16, echo_factor=2, num_workers=2, worker_type="process",
         transform=ExitAt(500, status), seed=seed,
     )
     with pytest.raises(RuntimeError, match=rf"exited \(status {status}\) before finishing its share"):
@@ -170,7 +170,7 @@ def test_a_worker_that_exits_before_its_share_is_done_is_an_error(status, seed):
 
 def test_leaving_early_stops_the_workers(seed):
     loader = dataecho.EchoLoader(
-        Records(100_000), batch_size=16, echo_factor=1, workers=2, worker_type="process", seed=seed
+        Records(100_000), batch_size=16, echo_factor=1, num_workers=2, worker_type="process", seed=seed
     )
     epoch = iter(loader)
     for i, _ in enumerate(epoch):
@@ -196,7 +196,7 @@ def test_ctrl_c_in_the_parent_stops_the_workers():
         from support import Records
         if __name__ == "__main__":
             loader = dataecho.EchoLoader(Records(10**6, delay_s=0.05), batch_size=64, echo_factor=1,
-                                         workers=2, worker_type="process", seed=0)
+                                         num_workers=2, worker_type="process", seed=0)
             it = iter(loader)
             print("started", flush=True)
             try:
@@ -226,7 +226,7 @@ def test_a_killed_owner_takes_its_workers_and_helpers_with_it(blocked):
     # resource tracker with them.
     stall_s = 0.0 if blocked == "in_put" else 60.0
     left = kill_owner(
-        f"Records(10**6), batch_size=8, shuffle_buffer=8, echo_factor=1, workers=2, worker_type='process', "
+        f"Records(10**6), batch_size=8, shuffle_buffer=8, echo_factor=1, num_workers=2, worker_type='process', "
         f"transform=Stall({stall_s}), seed=0"
     )
     assert not left, f"still running after the owner was killed: {left}"
@@ -242,7 +242,7 @@ def test_exiting_before_the_workers_attach_leaves_nothing(ending):
         import dataecho
         from support import Records, worker_pids
         if __name__ == "__main__":
-            loader = dataecho.EchoLoader(Records(1000), batch_size=8, workers=2, worker_type="process")
+            loader = dataecho.EchoLoader(Records(1000), batch_size=8, num_workers=2, worker_type="process")
             it = iter(loader)
             # A daemon thread holds the epoch: it is never collected at exit.
             threading.Thread(target=lambda held: time.sleep(60), args=(it,), daemon=True).start()
@@ -276,7 +276,7 @@ def test_a_region_larger_than_dev_shm_is_a_clear_error():
 
 
 def persistent(source, **kwargs) -> dataecho.EchoLoader:
-    args = {"batch_size": 16, "echo_factor": 1, "workers": 2, "worker_type": "process", "transform": with_pid,
+    args = {"batch_size": 16, "echo_factor": 1, "num_workers": 2, "worker_type": "process", "transform": with_pid,
             "persistent_workers": True}
     return dataecho.EchoLoader(source, **{**args, **kwargs})
 
@@ -333,7 +333,7 @@ def test_persistent_workers_are_replaced_after_a_failure_or_a_death(seed):
 
 
 def test_persistent_workers_call_worker_init_fn_once_and_keep_their_info(seed):
-    with dataecho.EchoLoader(MarkedRecords(300), batch_size=10, echo_factor=1, workers=2, worker_type="process",
+    with dataecho.EchoLoader(MarkedRecords(300), batch_size=10, echo_factor=1, num_workers=2, worker_type="process",
                              worker_init_fn=mark_worker, persistent_workers=True, seed=seed) as loader:
         for epoch in range(3):
             marks = Counter(m for batch in loader for m in batch["mark"].tolist())
@@ -342,7 +342,7 @@ def test_persistent_workers_call_worker_init_fn_once_and_keep_their_info(seed):
 
 def test_persistent_workers_go_with_a_killed_owner_while_idle():
     left = kill_owner(
-        "Records(200), batch_size=8, echo_factor=1, workers=2, worker_type='process', persistent_workers=True, "
+        "Records(200), batch_size=8, echo_factor=1, num_workers=2, worker_type='process', persistent_workers=True, "
         "seed=0", start="list(loader)"
     )
     assert not left, f"still running after the owner was killed: {left}"
@@ -353,6 +353,6 @@ def test_persistent_workers_need_workers():
         dataecho.EchoLoader(Records(10), num_workers=0, persistent_workers=True)
     with pytest.raises(TypeError, match="persistent_workers"):
         dataecho.EchoLoader(Records(10), persistent_workers="yes")
-    threads = dataecho.EchoLoader(Records(100), batch_size=10, echo_factor=1, workers=2, persistent_workers=True)
+    threads = dataecho.EchoLoader(Records(100), batch_size=10, echo_factor=1, num_workers=2, persistent_workers=True)
     for _ in range(2):  # thread workers are started per epoch either way
         assert ids(threads) == Counter(range(100))

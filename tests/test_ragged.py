@@ -55,7 +55,7 @@ def loader(source: Any = None, **kwargs: Any) -> dataecho.EchoLoader:
 @pytest.mark.parametrize("workers", [0, 1, 3])
 def test_ragged_and_object_leaves_come_exactly_as_often_as_the_echo_factor_says(echo, workers):
     delivered: Counter = Counter()
-    epoch = iter(loader(echo_factor=echo, workers=workers))
+    epoch = iter(loader(echo_factor=echo, num_workers=workers))
     first = next(epoch)
     assert isinstance(first["tokens"], dataecho.Ragged) and isinstance(first["boxes"], dataecho.Ragged)
     assert isinstance(first["name"], list) and first["boxes"].row_shape == (4,)
@@ -88,7 +88,7 @@ def crop(example: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
 @pytest.mark.parametrize("worker_type", ["thread", "process"])
 def test_augment_gets_each_repeat_and_may_return_ragged_leaves(worker_type):
     seen: Counter = Counter()
-    for batch in loader(augment=crop, worker_type=worker_type, workers=2):
+    for batch in loader(augment=crop, worker_type=worker_type, num_workers=2):
         ids = batch["id"].tolist()
         for i, tokens, kept, name in zip(ids, batch["tokens"], batch["kept"], batch["name"]):
             assert np.array_equal(tokens, tokens_of(i)[:len(tokens)]) and len(kept) == len(tokens) % 7
@@ -100,7 +100,7 @@ def test_augment_gets_each_repeat_and_may_return_ragged_leaves(worker_type):
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_worker_processes_write_ragged_values_and_pickled_objects_straight_into_shared_memory(persistent):
-    with loader(worker_type="process", workers=2, echo_factor=1.5, persistent_workers=persistent) as it:
+    with loader(worker_type="process", num_workers=2, echo_factor=1.5, persistent_workers=persistent) as it:
         for epoch in range(2):
             delivered: Counter = Counter()
             drain(it, delivered)
@@ -127,7 +127,7 @@ def run_batches(it: Any) -> list[tuple]:
 @pytest.mark.parametrize("after", [1, 9, 40])
 def test_a_ragged_epoch_resumes_exactly_mid_epoch(augment, after):
     def make() -> dataecho.EchoLoader:
-        return loader(deterministic=True, augment=augment, workers=2)
+        return loader(deterministic=True, augment=augment, num_workers=2)
 
     whole = run_batches(make())
     first = make()
@@ -293,7 +293,7 @@ def test_an_example_larger_than_the_whole_budget_is_refused_and_nothing_is_store
 
 def test_a_loader_under_a_small_budget_still_delivers_every_example_exactly():
     delivered: Counter = Counter()
-    drain(loader(ragged_bytes=64 * 1024, workers=3), delivered)
+    drain(loader(ragged_bytes=64 * 1024, num_workers=3), delivered)
     check_exact(delivered, range(N), 2)
 
 

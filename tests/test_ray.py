@@ -79,8 +79,8 @@ def drain_ids(loader: dataecho.EchoLoader) -> list[int]:
     return [i for batch in loader for i in checked_ids(batch).tolist()]
 
 
-@pytest.mark.parametrize("options", [{}, {"workers": 0}, {"workers": 2, "transform": dict}, {"deterministic": True}],
-                         ids=["threads", "workers=0", "transform", "deterministic"])
+@pytest.mark.parametrize("options", [{}, {"num_workers": 0}, {"num_workers": 2, "transform": dict}, {"deterministic": True}],
+                         ids=["threads", "num_workers=0", "transform", "deterministic"])
 def test_every_row_is_delivered_echo_factor_times_each_epoch(options):
     loader = dataecho.EchoLoader(RayRows(Blocks()), batch_size=16, echo_factor=2, shuffle_buffer=64, seed=0,
                                  **options)

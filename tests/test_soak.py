@@ -166,7 +166,7 @@ def loader_round(echo, echo_at: str, augment, seed: int, n: int, epochs: int = 2
     """EchoLoader epochs with thread workers; exact accounting per epoch."""
     loader = dataecho.EchoLoader(
         Records(n), batch_size=64, echo_factor=echo, echo_at=echo_at, augment=augment,
-        shuffle_buffer=1024 if echo_at == "example" else 8, workers=2, seed=seed,
+        shuffle_buffer=1024 if echo_at == "example" else 8, num_workers=2, seed=seed,
     )
     delivered = 0
     with loader:
@@ -186,7 +186,7 @@ def loader_round(echo, echo_at: str, augment, seed: int, n: int, epochs: int = 2
 def process_round(seed: int, n: int) -> int:
     """One epoch with worker processes writing into shared memory."""
     loader = dataecho.EchoLoader(
-        Records(n), batch_size=64, echo_factor=2, workers=2, worker_type="process", seed=seed
+        Records(n), batch_size=64, echo_factor=2, num_workers=2, worker_type="process", seed=seed
     )
     with loader:
         seen: Counter = Counter()
@@ -200,7 +200,7 @@ def ragged_round(seed: int, n: int, worker_type: str) -> int:
     """Ragged values and objects (support.ragged_one) through a page budget of
     1 MiB, with thread or process workers; every leaf checked against its id."""
     loader = dataecho.EchoLoader(
-        Records(n, form="ragged"), batch_size=64, echo_factor=2, workers=2, worker_type=worker_type,
+        Records(n, form="ragged"), batch_size=64, echo_factor=2, num_workers=2, worker_type=worker_type,
         shuffle_buffer=512, ragged_bytes=1 << 20, seed=seed,
     )
     with loader:

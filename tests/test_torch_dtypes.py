@@ -96,7 +96,7 @@ def drain(loader, dtype: torch.dtype = torch.bfloat16) -> Counter:
 
 
 def make(source=None, **kwargs) -> dataecho.EchoLoader:
-    args = {"batch_size": 16, "echo_factor": 2, "shuffle_buffer": 64, "workers": 2}
+    args = {"batch_size": 16, "echo_factor": 2, "shuffle_buffer": 64, "num_workers": 2}
     args.update(kwargs)
     return dataecho.EchoLoader(source if source is not None else Records(), **args)
 
@@ -134,7 +134,7 @@ def test_worker_processes_convert_bfloat16_the_same_way(echo, seed):
 
 
 def test_reading_in_the_calling_thread(seed):
-    check_exact(drain(make(workers=0, output="torch", seed=seed)), range(N), 2)
+    check_exact(drain(make(num_workers=0, output="torch", seed=seed)), range(N), 2)
 
 
 @pytest.mark.parametrize("echo", [2.5, "auto"])
@@ -318,7 +318,7 @@ def test_a_later_example_must_keep_the_dtype():
 
 def test_a_later_example_of_another_dtype_fails_the_epoch():
     examples = [{"x": torch.zeros(2, dtype=torch.bfloat16)}] * 5 + [{"x": torch.zeros(2, dtype=torch.float32)}]
-    loader = dataecho.EchoLoader(examples, batch_size=2, echo_factor=1, workers=1, shuffle=False)  # first: bfloat16
+    loader = dataecho.EchoLoader(examples, batch_size=2, echo_factor=1, num_workers=1, shuffle=False)  # first: bfloat16
     with pytest.raises(TypeError, match="leaf 'x' is a torch.float32 tensor; expected a torch.bfloat16 tensor"):
         list(loader)
 

@@ -1,7 +1,8 @@
 // Values a buffer holds by reference (layout.hpp's holdable fields): the Python
 // objects that own them, kept alive until the core hands their handles back
 // with a batch (Batch::unheld), when the last echo of every example holding
-// them has been gathered.
+// them has been gathered. Which values are held is decided in Python
+// (dataecho/native/hold.py); this only keeps their owners.
 //
 // One strong reference per owner, however many examples hold it (the rows of
 // one stacked array, say), with a count of those examples. Used with the GIL
@@ -22,37 +23,6 @@
 #include "blocking.hpp"
 
 namespace dataecho::py_binding {
-
-// A held array is made read-only: a write through it then raises instead of
-// changing an example the buffer holds (other views of its memory cannot be
-// reached from here). `array` is a NumPy array.
-inline void make_read_only(PyObject* array) noexcept {
-  py::detail::array_proxy(array)->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
-}
-
-// Whether holding `array` keeps little more than its own bytes alive: it owns
-// its memory, or views an array or buffer at most twice its size. A row of a
-// stacked batch or a view into a large block does not: holding it would keep
-// the whole of that memory alive for one example, so it is copied instead.
-// An owner whose size cannot be read (a torch tensor) counts as small.
-inline bool holds_little_more(PyObject* array) {
-  auto* proxy = py::detail::array_proxy(array);
-  const auto own = static_cast<std::size_t>(py::reinterpret_borrow<py::array>(array).nbytes());
-  PyObject* base = proxy->base;
-  while (base != nullptr && py::isinstance<py::array>(base) && py::detail::array_proxy(base)->base != nullptr)
-    base = py::detail::array_proxy(base)->base;
-  if (base == nullptr) return true;
-  if (py::isinstance<py::array>(base))
-    return static_cast<std::size_t>(py::reinterpret_borrow<py::array>(base).nbytes()) <= 2 * own;
-  Py_buffer view;
-  if (PyObject_GetBuffer(base, &view, PyBUF_SIMPLE) != 0) {
-    PyErr_Clear();
-    return true;
-  }
-  const bool small = static_cast<std::size_t>(view.len) <= 2 * own;
-  PyBuffer_Release(&view);
-  return small;
-}
 
 class Holdings {
  public:

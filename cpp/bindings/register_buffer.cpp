@@ -1,6 +1,6 @@
 // Binds dataecho::ShuffleBuffer as _core.Buffer. Type conversion, GIL policy and
 // lifetimes only: arguments are validated, with messages that name them, in
-// Python (dataecho/buffer.py, dataecho/config.py); the core's own checks are the
+// Python (dataecho/buffer.py, dataecho/config/); the core's own checks are the
 // backstop, and the array checks here keep a misuse of the private module from
 // touching memory it should not.
 #include <pybind11/numpy.h>
@@ -31,8 +31,9 @@ class PyBuffer {
            std::shared_ptr<BlockCache> cache)
       : specs_(field_specs(fields)) {
     if (restore) config.restore = std::make_shared<const Snapshot>(std::move(*restore));
-    // Pointers into this process's objects mean nothing to worker processes.
-    ExampleLayout layout = example_layout(specs_, config.batch_size, config.shared ? 0 : config.hold_min_bytes);
+    if (config.shared && config.hold_min_bytes != 0)  // pointers into this process mean nothing to workers
+      throw py::value_error("config: a shared buffer holds nothing (hold_min_bytes 0)");
+    ExampleLayout layout = example_layout(specs_, config.batch_size, config.hold_min_bytes);
     if (!layout.ragged_fields().empty() && config.pages == 0)
       throw py::value_error("config: ragged fields need a page heap (pages, page_bytes)");
     if (config.pages != 0 && (layout.ragged_fields().empty() || !std::has_single_bit(config.page_bytes) ||
@@ -46,13 +47,13 @@ class PyBuffer {
   }
 
   // `arrays` is borrowed (see blocking.hpp): the caller's list keeps it alive.
-  // `hold`: the values of holdable fields are held by reference (layout.hpp),
-  // their arrays kept alive until their last echo is gathered.
-  py::object put(py::handle arrays, std::optional<double> timeout_s, std::uint64_t seq, bool hold) {
+  // `hold`: which values of holdable fields are held by reference (layout.hpp),
+  // their arrays kept alive until their last echo is gathered (see take_holds).
+  py::object put(py::handle arrays, std::optional<double> timeout_s, std::uint64_t seq, py::handle hold) {
     ShuffleBuffer& core = live();
     const Rows rows = field_pointers(specs_, arrays, std::nullopt);
     check_fit(core.producer(), rows, 1, ragged_count(specs_));
-    const std::vector<std::uint64_t> owners = hold ? take_holds(arrays, 1, 0, true) : std::vector<std::uint64_t>{};
+    const std::vector<std::uint64_t> owners = take_holds(arrays, hold, 1, 0, true);
     const Status status = call_blocking(
         [&](Deadline d) {
           return core.producer().put(rows.pointers.data(), d, seq, rows.lengths.data(), held_or_null(owners));
@@ -63,11 +64,11 @@ class PyBuffer {
   }
 
   std::pair<py::object, std::size_t> put_many(py::handle arrays, std::size_t n, std::optional<double> timeout_s,
-                                              std::uint64_t first_seq, bool hold) {
+                                              std::uint64_t first_seq, py::handle hold) {
     ShuffleBuffer& core = live();
     const Rows rows = field_pointers(specs_, arrays, n);
     // Stacked: every row's handles are row 0's, which are all the core reads.
-    const std::vector<std::uint64_t> owners = hold ? take_holds(arrays, n, 0, false) : std::vector<std::uint64_t>{};
+    const std::vector<std::uint64_t> owners = take_holds(arrays, hold, n, 0, false);
     std::size_t done = 0;
     const Status status = call_blocking(
         [&](Deadline d) {
@@ -81,13 +82,13 @@ class PyBuffer {
   // Rows [done, n) of `columns` (see row_pointers), row i tagged first_seq + i;
   // `hold`: as put()'s.
   std::pair<py::object, std::size_t> put_each(py::handle columns, std::size_t n, std::optional<double> timeout_s,
-                                              std::uint64_t first_seq, std::size_t done, bool hold) {
+                                              std::uint64_t first_seq, std::size_t done, py::handle hold) {
     ShuffleBuffer& core = live();
     const Rows rows = row_pointers(specs_, columns, n);
     if (done > n) throw py::value_error("done: more than rows");
     check_fit(core.producer(), rows, n, ragged_count(specs_));
     const std::size_t first = done;
-    const std::vector<std::uint64_t> owners = hold ? take_holds(columns, n, first, false) : std::vector<std::uint64_t>{};
+    const std::vector<std::uint64_t> owners = take_holds(columns, hold, n, first, false);
     const Status status = call_blocking(
         [&](Deadline d) {
           return core.producer().put_each(rows.pointers.data(), n, done, d, first_seq, rows.lengths.data(),
@@ -211,33 +212,46 @@ class PyBuffer {
 
  private:
   // Holds for rows [first, n) of a put's holdable fields, row-major (H per
-  // row): the owner of a row's value is its array in a list column, else the
-  // column's array itself (stacked rows, or the source of (array, indices)).
-  // The entries of rows before `first` are 0 (not read), and so are those of
-  // arrays of one value each that view much larger memory (see
-  // holds_little_more): those are copied. Arrays handed over are made
-  // read-only; the source of (array, indices) stays as it is (it is the
-  // caller's dataset: its rows must not change while held).
-  std::vector<std::uint64_t> take_holds(py::handle columns, std::size_t n, std::size_t first, bool single) {
+  // row), as Python's hold policy decided them (`hold`: None, or per holdable
+  // field False, True, or for a list column one bool per row; see
+  // dataecho/native/hold.py). The owner of a held value is always taken from
+  // the column itself, so that it is what owns the memory the core will read:
+  // the value of a single put, an item of a list column, else the column's
+  // array (stacked rows, or the source of (array, indices)). Entries of rows
+  // before `first` and of values copied are 0.
+  std::vector<std::uint64_t> take_holds(py::handle columns, py::handle hold, std::size_t n, std::size_t first,
+                                        bool single) {
+    if (hold.is_none()) return {};
     const auto& holdable = live().layout().holdable_fields();
+    if (!PyList_Check(hold.ptr()) || PyList_GET_SIZE(hold.ptr()) != static_cast<py::ssize_t>(holdable.size()))
+      throw py::type_error("hold: expected None or a list, one entry per holdable field");
     std::vector<std::uint64_t> owners(n * holdable.size(), 0);
     for (std::size_t h = 0; h < holdable.size(); ++h) {
       PyObject* column = PyList_GET_ITEM(columns.ptr(), holdable[h]);
+      PyObject* decided = PyList_GET_ITEM(hold.ptr(), h);
       if (PyList_Check(column) || single) {
+        const bool each = PyList_Check(decided);
+        if (each && PyList_GET_SIZE(decided) != static_cast<py::ssize_t>(n))
+          throw py::value_error("hold: a list column's decisions must be one per row");
         for (std::size_t i = first; i < n; ++i) {
+          if (!truthy(each ? PyList_GET_ITEM(decided, i) : decided)) continue;
           PyObject* item = single ? column : PyList_GET_ITEM(column, i);
-          if (!holds_little_more(item)) continue;
-          make_read_only(item);
           owners[i * holdable.size() + h] = holdings_.hold(item, 1);
         }
         continue;
       }
-      if (!PyTuple_Check(column)) make_read_only(column);
+      if (!truthy(decided)) continue;
       PyObject* owner = PyTuple_Check(column) ? PyTuple_GET_ITEM(column, 0) : column;
       const std::uint64_t handle = holdings_.hold(owner, n - first);
       for (std::size_t i = first; i < n; ++i) owners[i * holdable.size() + h] = handle;
     }
     return owners;
+  }
+
+  static bool truthy(PyObject* value) {
+    const int result = PyObject_IsTrue(value);
+    if (result < 0) throw py::error_already_set();
+    return result == 1;
   }
 
   // Gives back the holds of rows [done, n): those the put did not store.
@@ -323,9 +337,9 @@ void register_buffer(py::module_& m) {
                     std::shared_ptr<BlockCache>>(),
            py::arg("fields"), py::arg("config"), py::arg("restore") = py::none(), py::arg("cache") = nullptr)
       .def("put", &PyBuffer::put, py::arg("arrays"), py::arg("timeout_s"), py::arg("seq") = 0,
-           py::arg("hold") = false)
+           py::arg("hold") = py::none())
       .def("put_many", &PyBuffer::put_many, py::arg("arrays"), py::arg("rows"), py::arg("timeout_s"),
-           py::arg("first_seq") = 0, py::arg("hold") = false)
+           py::arg("first_seq") = 0, py::arg("hold") = py::none())
       .def("next", &PyBuffer::next, py::arg("timeout_s"))
       .def_property_readonly("last_seqs", &PyBuffer::last_seqs)
       .def_property_readonly("last_released", &PyBuffer::last_released)
@@ -335,7 +349,7 @@ void register_buffer(py::module_& m) {
       .def("stop", [](PyBuffer& b) { b.core().stop(); })  // quick: flags and wake-ups only
       .def("stats", [](const PyBuffer& b) { return b.core().stats(); })
       .def("put_each", &PyBuffer::put_each, py::arg("columns"), py::arg("rows"), py::arg("timeout_s"),
-           py::arg("first_seq") = 0, py::arg("done") = 0, py::arg("hold") = false)
+           py::arg("first_seq") = 0, py::arg("done") = 0, py::arg("hold") = py::none())
       .def_property_readonly("held_values", [](const PyBuffer& b) { return b.holdings().values(); })
       .def_property_readonly("held_owners", [](const PyBuffer& b) { return b.holdings().owners(); })
       .def_property_readonly("holdable_fields",

@@ -1,14 +1,16 @@
 """``EchoLoader``: data echoing for a training loop, in the three placements of
-Choi et al. (2019), with fractional and adaptive echo factors.
+Choi et al. (2019), with fractional and adaptive echo factors, and torch
+``DataLoader``'s signature.
 
-The arguments are validated once into a :class:`dataecho.config.loader_config.LoaderConfig`;
-each ``iter(loader)`` starts an :class:`dataecho.pipeline.epoch.Epoch`, whose chain of
-stages (:mod:`dataecho.pipeline.chain`) is::
+The arguments are validated once into a
+:class:`dataecho.config.loader_config.LoaderConfig`, which the planner turns
+into per-stage specs (:mod:`dataecho.pipeline.plan`); each ``iter(loader)``
+starts a :class:`dataecho.pipeline.epoch.Epoch`, whose chain of stages is::
 
-    source -> [producers: read, transform] -> echo buffer (native)
-           -> [batch echoing]                   (echo_at="batch")
-           -> [augment threads] -> output buffer (augment given)
-           -> batches as NumPy arrays or torch tensors, on `device`
+    source -> [producers: read, transform] -> echo buffer (native)   intake
+           -> [batch echoing]                   (echo_at="batch")     batch_echo
+           -> [augment threads] -> output buffer (augment given)      augment
+           -> batches as NumPy arrays or torch tensors, on `device`   delivery
 """
 
 from __future__ import annotations
@@ -21,25 +23,35 @@ from typing import Any, Callable
 from . import _core
 from .config.loader_config import LoaderConfig, loader_config
 from .examples.structure import Structure
-from .pipeline.chain import stage_names
+from .pipeline.chain import state_checks
 from .pipeline.checkpoint import FORMAT, check_state
 from .pipeline.epoch import Epoch
 from .pipeline.numbering import EpochNumbers
+from .pipeline.plan import plan
 from .pipeline.stats import Totals
-from .reading.order import LoaderSampler, batches_per_epoch, epoch_order
+from .reading.order import LoaderSampler
 from .workers.pool import WorkerPool
 from .workers.processes import PROCESS_GRACE_S
 
 __all__ = ["EchoLoader"]
 
 
-# DataLoader's attributes that tools read (Lightning, Accelerate), by their names.
-_DATALOADER_NAMES: dict[str, Callable[[Any], Any]] = {
-    "dataset": lambda loader: loader.config.source,
-    "num_workers": lambda loader: loader.config.workers,
-    "sampler": lambda loader: loader.config.sampler or LoaderSampler(loader),
-    "batch_sampler": lambda loader: None,
-    "prefetch_factor": lambda loader: None,
+# The arguments, read back as attributes (as torch's DataLoader keeps its own),
+# by the names they were given under.
+_ATTRIBUTES: dict[str, Callable[[LoaderConfig], Any]] = {
+    "num_workers": lambda c: None if c.auto_workers else c.workers,
+    "batch_sampler": lambda c: None,
+    "timeout": lambda c: c.timeout or 0,
+    "multiprocessing_context": lambda c: c.start_method,
+    "echo_factor": lambda c: c.echo.setting,
+    "echo_at": lambda c: c.echo.at,
+    "max_echo": lambda c: c.echo.max_echo,
+    "rank": lambda c: c.shard.rank,
+    "world_size": lambda c: c.shard.world_size,
+    **{name: (lambda c, name=name: getattr(c, name)) for name in (
+        "dataset", "batch_size", "shuffle", "collate_fn", "pin_memory", "drop_last", "worker_init_fn",
+        "prefetch_factor", "persistent_workers", "transform", "augment", "shuffle_buffer", "seed", "deterministic",
+        "worker_type", "output", "device", "ragged", "ragged_bytes", "padding")},
 }
 
 
@@ -56,17 +68,34 @@ class EchoLoader:
       runs anew on every repeat;
     * batch echoing: ``echo_at="batch"`` repeats whole batches.
 
+    The positional parameters are torch ``DataLoader``'s, in its order and with
+    its meaning (see dataecho.config.dataloader for what dataecho does with
+    each); the rest are keyword-only.
+
     Args:
-        source: (DataLoader's ``dataset``) an iterable of examples, a map-style
-            dataset (``__len__`` and ``__getitem__``; a torch ``Dataset``), or a Ray
-            Data ``Dataset``/``DataIterator`` (see dataecho.reading.ray). An example
+        dataset: an iterable of examples, a map-style dataset (``__len__`` and
+            ``__getitem__``; a torch ``Dataset``), or a Ray Data
+            ``Dataset``/``DataIterator`` (see dataecho.reading.ray). An example
             is an array, a number, a torch CPU tensor, or a dict/tuple/list of them.
-        batch_size: examples per batch.
+        batch_size: examples per batch (1, as in DataLoader).
+        shuffle: map-style datasets: a new random order every epoch (default
+            True, False with a ``sampler``: echoed repeats need a shuffled
+            read). With False the reading order is the dataset's (or the
+            sampler's), which batches follow exactly at ``echo_factor=1``;
+            with more, the echo buffer spreads repeats apart.
+        num_workers: producer threads or processes (and augment threads). Not
+            given: one reading thread, more while reads wait
+            (dataecho.workers.threads), 2 processes. 0 reads in the calling thread.
+        sampler, batch_sampler, collate_fn, pin_memory, drop_last, timeout,
+        worker_init_fn, multiprocessing_context, generator, prefetch_factor,
+        persistent_workers, pin_memory_device: as in DataLoader (see
+            dataecho.config.dataloader; ``batch_sampler`` is refused).
         echo_factor: mean deliveries per example (or per batch), a number >= 1
             (fractional factors repeat ``floor(e)`` or ``floor(e) + 1`` times);
             or ``"auto"``: repeat only while the consumer would otherwise wait,
             up to about ``max_echo`` times.
         echo_at: ``"example"`` or ``"batch"``.
+        max_echo: cap on deliveries per example (batch) when echo_factor="auto".
         transform: per-example function run by the producers, before the echo
             stage (read, decode, ...).
         augment: per-example function run after the echo stage, by worker
@@ -76,38 +105,24 @@ class EchoLoader:
             delivery): its batches are then a function of the seed, resumable.
         shuffle_buffer: examples resident in the echo buffer (default 4096); with
             ``echo_at="batch"``, batches resident in the batch buffer (default 16).
-        workers: (DataLoader's ``num_workers``) producer threads or processes (and
-            augment threads). Not given: one reading thread, more while reads wait
-            (dataecho.workers.threads), 2 processes. 0 reads in the calling thread.
-        shuffle: map-style sources: a new random order every epoch (default
-            True, False with a ``sampler``). With False the reading order is the
-            dataset's (or the sampler's), which batches follow exactly at
-            ``echo_factor=1``; with more, the echo buffer spreads repeats apart.
         seed: seeds the order, the shuffle, the echo draws and ``augment``'s
-            generators; None draws one.
-        drop_last: drop the last batch of an epoch if it is short.
-        prefetch: batches assembled ahead of the consumer (default 2; or
-            DataLoader's ``prefetch_factor`` times ``workers``).
-        max_echo: cap on deliveries per example (batch) when echo_factor="auto".
-        output: ``"numpy"`` or ``"torch"`` (tensors that share the batch memory;
-            a leaf of a dtype NumPy lacks, ``bfloat16``, is a tensor with either).
-        pin_memory: batch memory is page-locked, allocated once; without CUDA
-            a warning, and unpinned memory (as DataLoader).
-        device: a torch device; each batch is copied there on a side stream,
-            one batch ahead, so the copy overlaps the training step.
-        worker_type: ``"thread"`` or ``"process"``: producer processes for a
-            CPU-bound Python ``source``/``transform``, writing examples straight
-            into the echo buffer in shared memory. ``source`` and ``transform``
-            must pickle; every worker iterates an iterable source, reading its
-            shard by ``dataecho.get_worker_info()`` or torch's, as under
-            DataLoader. Started per epoch, or once (``persistent_workers=True``).
-        start_method: for processes: ``"forkserver"`` (default where available)
-            or ``"spawn"``; ``"fork"`` is refused (unsafe with native threads).
+            generators; None draws one (from ``generator`` where given).
         deterministic: the batches are a function of (seed, epoch, rank,
             world_size) alone, whatever the workers and their timing: examples
             enter the echo buffer in reading order (a reorder window of
             ``batch_size``), fractional echo counts follow their position. Not
             with ``echo_factor="auto"``; ``augment`` without ``rng`` stays random.
+        worker_type: ``"thread"`` or ``"process"`` (for a CPU-bound Python
+            ``dataset``/``transform``, which must pickle; each worker iterates
+            an iterable dataset, sharding by ``dataecho.get_worker_info()``).
+        output: ``"numpy"`` or ``"torch"`` (tensors that share the batch memory;
+            a leaf of a dtype NumPy lacks, ``bfloat16``, is a tensor with either).
+        device: a torch device; each batch is copied there on a side stream,
+            one batch ahead, so the copy overlaps the training step.
+        rank, world_size: this process's part of a data-parallel job (default:
+            from ``torch.distributed``): a disjoint shard of a map-style dataset
+            of equal size on every rank (as ``DistributedSampler``); the
+            ``seed`` must be the same on every rank (None means 0 then).
         ragged, ragged_bytes, padding: leaves whose first axis varies in length
             (declared by path, ``["input_ids", "meta/boxes"]``, or inferred from
             the first examples and Hugging Face sequence features) come as a
@@ -115,17 +130,11 @@ class EchoLoader:
             values take at most ``ragged_bytes`` in the echo buffer; with
             ``padding`` (``"longest"`` or a length) as :class:`dataecho.Padded`.
             Leaves that are not arrays (a ``str``, ``None``) come as lists.
-        rank, world_size: this process's part of a data-parallel job (default:
-            from ``torch.distributed``). Each rank reads a disjoint shard of a
-            map-style dataset, of equal size (as ``DistributedSampler``), and
-            yields as many batches; shuffling and echoing are local to the rank.
-            The ``seed`` must be the same on every rank (None means 0 then).
 
-    DataLoader's other keywords (``sampler``, ``collate_fn``, ...) keep their
-    meaning (see dataecho.config.dataloader). The arguments can be read back as
-    attributes (``loader.batch_size``; all as ``loader.config``), under
-    DataLoader's names too: ``dataset``, ``num_workers``, ``sampler`` (the given
-    one, or a view of the loader's order whose ``set_epoch`` reaches the loader).
+    The arguments can be read back as attributes under the names above
+    (``loader.batch_size``, ``loader.num_workers``; all as ``loader.config``);
+    ``loader.sampler`` is the given one, or a view of the loader's order whose
+    ``set_epoch`` reaches the loader.
 
     Raises:
         TypeError, ValueError: a bad argument, named in the message.
@@ -134,47 +143,51 @@ class EchoLoader:
 
     def __init__(
         self,
-        source: Any = None,
-        batch_size: int = 256,
+        dataset: Any,
+        batch_size: int = 1,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int | None = None,
+        collate_fn: Callable[[list], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: Any = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
         echo_factor: float | str = 2.0,
         echo_at: str = "example",
+        max_echo: float = 4.0,
         transform: Callable[[Any], Any] | None = None,
         augment: Callable[..., Any] | None = None,
         shuffle_buffer: int | None = None,
-        workers: int | None = None,
-        shuffle: bool | None = None,
         seed: int | None = None,
-        drop_last: bool = False,
-        prefetch: int | None = None,
-        max_echo: float = 4.0,
-        output: str = "numpy",
-        pin_memory: bool = False,
-        device: Any = None,
-        worker_type: str | None = None,
-        start_method: str | None = None,
         deterministic: bool = False,
+        worker_type: str | None = None,
+        output: str = "numpy",
+        device: Any = None,
         rank: int | None = None,
         world_size: int | None = None,
-        *,
         ragged: Any = None,
         ragged_bytes: int | None = None,
         padding: int | str | None = None,
-        dataset: Any = None,
-        num_workers: int | None = None,
-        sampler: Any = None,
-        batch_sampler: Any = None,
-        collate_fn: Callable[[list], Any] | None = None,
-        worker_init_fn: Callable[[int], None] | None = None,
-        prefetch_factor: int | None = None,
-        generator: Any = None,
-        timeout: float = 0,
-        multiprocessing_context: Any = None,
-        pin_memory_device: str = "",
-        persistent_workers: bool = False,
     ) -> None:
-        arguments = dict(locals())
-        del arguments["self"]
-        self.config: LoaderConfig = loader_config(**arguments)
+        self.config: LoaderConfig = loader_config(
+            dataset=dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
+            num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last,
+            timeout=timeout, worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+            generator=generator, prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device, echo_factor=echo_factor, echo_at=echo_at, max_echo=max_echo,
+            transform=transform, augment=augment, shuffle_buffer=shuffle_buffer, seed=seed,
+            deterministic=deterministic, worker_type=worker_type, output=output, device=device, rank=rank,
+            world_size=world_size, ragged=ragged, ragged_bytes=ragged_bytes, padding=padding,
+        )
+        self._plan = plan(self.config)
         self._structure: Structure | None = None
         self._numbers = EpochNumbers()
         self._resume: dict[str, Any] | None = None  # from load_state_dict, for the next epoch
@@ -186,13 +199,12 @@ class EchoLoader:
         self._memory = _core.BlockCache()  # the echo buffer's memory, from one epoch to the next
 
     def __getattr__(self, name: str) -> Any:
-        # The validated arguments, read as attributes (as torch's DataLoader keeps
-        # its own), under DataLoader's names too.
         config = self.__dict__.get("config")
-        if config is not None and name in _DATALOADER_NAMES:
-            return _DATALOADER_NAMES[name](self)
-        if config is not None and name in LoaderConfig.__dataclass_fields__:
-            return getattr(config, name)
+        if config is not None and name == "sampler":
+            order = self._plan.source.order
+            return config.sampler or LoaderSampler(order, lambda: self.next_epoch, self.set_epoch)
+        if config is not None and name in _ATTRIBUTES:
+            return _ATTRIBUTES[name](config)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ---- iteration ----
@@ -205,7 +217,7 @@ class EchoLoader:
             if current is not None:
                 current.supersede()  # if it yielded nothing, it gives back its number and resume state
             resume, self._resume = self._resume, None
-            epoch = Epoch(self.config, self._numbers.next, self._structure, resume["stages"] if resume else None,
+            epoch = Epoch(self._plan, self._numbers.next, self._structure, resume["stages"] if resume else None,
                           functools.partial(_ended, self, resume), owner=self, pool=self._pool,
                           memory=self._memory)
             self._structure = self._structure or epoch.structure
@@ -261,16 +273,16 @@ class EchoLoader:
             TypeError, ValueError: a state that is not one, or was saved by a
                 loader with other arguments that decide the batches (named).
         """
-        config = self.config
-        checked = check_state(state, config.fingerprint(), stage_names(config),
-                              lambda epoch: epoch_order(config, epoch) if config.map_style else None)
+        order = self._plan.source.order
+        checked = check_state(state, self.config.fingerprint(), state_checks(self._plan),
+                              lambda epoch: order.order(epoch) if order is not None else None)
         self.close()
         self._numbers.next = checked["epoch"]
         self._resume = checked
 
     def __len__(self) -> int:
-        """Batches per epoch on this rank (see dataecho.reading.order.batches_per_epoch)."""
-        return batches_per_epoch(self.config)
+        """Batches per epoch on this rank (see dataecho.pipeline.plan)."""
+        return self._plan.batches_per_epoch()
 
     def close(self) -> None:
         """Stops the current epoch and every worker; iterating again starts a new epoch."""

@@ -123,9 +123,9 @@ def loader_options(rng: random.Random, augment: bool | None = None) -> dict[str,
     options: dict[str, Any] = {
         "batch_size": batch_size,
         "echo_factor": pick_echo(rng),
-        "workers": rng.randint(1, 4),
+        "num_workers": rng.randint(1, 4),
         "shuffle": rng.random() < 0.7,
-        "prefetch": rng.randint(1, 3),
+        "prefetch_factor": rng.randint(1, 3),
     }
     if rng.random() < 0.2:
         options["echo_at"] = "batch"

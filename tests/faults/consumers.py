@@ -18,7 +18,7 @@ STALE = "ended by a later iter(loader)"
 def _options(rng: random.Random, worker_type: str, echo_at: str | None = None) -> dict[str, Any]:
     options = loader_options(rng, augment=False if worker_type == "process" else None)  # augment: threads only
     if worker_type == "process":
-        options["workers"] = rng.randint(1, 2)
+        options["num_workers"] = rng.randint(1, 2)
     if echo_at == "batch":
         options["echo_at"], options["shuffle_buffer"] = "batch", rng.randint(1, 12)
     elif echo_at == "example":

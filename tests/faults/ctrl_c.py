@@ -56,7 +56,7 @@ def start_interrupted(rng: random.Random, variant: str, seed: int) -> None:
     workers = rng.randint(2, 3)
     at = rng.randint(3, workers + 1)  # worker at - 2 fails to start; those before it run
     loader = dataecho.EchoLoader(
-        Records(5000), batch_size=8, workers=workers, worker_type="process", transform=InterruptOnPickle(at), seed=seed
+        Records(5000), batch_size=8, num_workers=workers, worker_type="process", transform=InterruptOnPickle(at), seed=seed
     )
     try:
         iter(loader)
@@ -153,7 +153,7 @@ def sigint_loader(rng: random.Random, variant: str, seed: int) -> None:
     worker_type, mode = variant.split("_")
     options = loader_options(rng)
     if worker_type == "process":
-        options["workers"] = rng.randint(1, 3)
+        options["num_workers"] = rng.randint(1, 3)
     if options.get("echo_at") != "batch":
         options["shuffle_buffer"] = options["batch_size"] * rng.randint(1, 3)
     n = rng.randint(200, 600)

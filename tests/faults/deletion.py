@@ -124,7 +124,7 @@ def delete_loader(rng: random.Random, variant: str, seed: int) -> None:
     options = loader_options(rng, augment=False)
     worker_type = "process" if variant == "process" else "thread"
     if worker_type == "process":
-        options["workers"] = rng.randint(1, 3)
+        options["num_workers"] = rng.randint(1, 3)
     loader = dataecho.EchoLoader(Records(200_000), seed=seed, worker_type=worker_type, **options)
     ref = weakref.ref(loader)
     delivered: Counter = Counter()

@@ -48,7 +48,7 @@ def exit_child(variant: str, mode: str, seed: int) -> None:
         options = loader_options(rng)
         worker_type = "process" if variant == "loader_process" else "thread"
         if worker_type == "process":
-            options["workers"] = rng.randint(1, 3)
+            options["num_workers"] = rng.randint(1, 3)
             options["transform"] = with_pid
         loader = dataecho.EchoLoader(Records(100_000), seed=seed, worker_type=worker_type, **options)
         if variant == "loader_thread_consumer":

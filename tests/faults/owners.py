@@ -42,7 +42,7 @@ def worker_exit(rng: random.Random, variant: str, seed: int) -> None:
     status = {"status0": 0, "status3": 3, "kill": None}[variant]
     options = loader_options(rng, augment=False)
     options.pop("augment", None)
-    options["workers"] = rng.randint(1, 3)
+    options["num_workers"] = rng.randint(1, 3)
     options["persistent_workers"] = rng.random() < 0.5  # a pool that lost a worker is reaped too
     loader = dataecho.EchoLoader(Records(n), transform=ExitAt(at, status), worker_type="process", seed=seed,
                                  **options)

@@ -51,7 +51,7 @@ def producer_error(rng: random.Random, variant: str, seed: int, worker_type: str
     fail_at = rng.randrange(n)
     options = loader_options(rng, augment=True if variant == "augment" else None)
     if worker_type == "process":
-        options["workers"] = rng.randint(1, 3)
+        options["num_workers"] = rng.randint(1, 3)
     if variant in ("source", "transform"):
         source: Any = Records(n, fail_at=fail_at if variant == "source" else None)
     else:
@@ -88,7 +88,7 @@ def user_stop_iteration(rng: random.Random, variant: str, seed: int) -> None:
     fail_at = rng.randrange(n)
     options = loader_options(rng, augment=True if where == "augment" else None)
     if worker_type == "process":
-        options["workers"] = rng.randint(1, 3)
+        options["num_workers"] = rng.randint(1, 3)
     source = Records(n, fail_at=fail_at if where == "source" else None, fail_with="stop")
     if where == "transform":
         options["transform"] = Transform(fail_at, fail_with="stop")
@@ -127,7 +127,7 @@ def augment_after_abort(rng: random.Random, variant: str, seed: int) -> None:
     fail_s = rng.uniform(0.25, 0.35)  # record 0 is quick; record 1 fails after this
     loader = dataecho.EchoLoader(
         Records(100, fail_at=1, fail_after_s=fail_s), batch_size=1, shuffle_buffer=1, echo_factor=pick_echo(rng),
-        workers=rng.randint(1, 2), shuffle=False, augment=SlowAugment(fail_s + 0.3), seed=seed,
+        num_workers=rng.randint(1, 2), shuffle=False, augment=SlowAugment(fail_s + 0.3), seed=seed,
     )
     enabled = gc.isenabled()
     gc.disable()  # the epoch sits in a reference cycle; only the cyclic GC would stop what it leaves

@@ -77,7 +77,7 @@ def reuse(rng: random.Random, variant: str, seed: int) -> None:
     worker_type = "thread"
     if variant == "process_epochs":
         worker_type = "process"
-        options["workers"] = rng.randint(1, 2)
+        options["num_workers"] = rng.randint(1, 2)
     n = rng.randint(1, 1200)
     source: Any = Stream(n) if variant == "iterable" else Records(n)
     if variant == "generator":

@@ -1,100 +1,100 @@
 """``EchoLoader``'s configuration: every argument validated once, here.
 
 :func:`loader_config` checks the arguments (each error names its argument and
-says what was expected) and returns a frozen :class:`LoaderConfig`, which the
-rest of the pipeline reads without checking again. Limits come from the native
-module (``_core.MAX_ECHO``, ``_core.MAX_CAPACITY``).
+says what was expected) and returns a frozen :class:`LoaderConfig`, which
+``EchoLoader`` and the planner (dataecho.pipeline.plan) read without checking
+again; stages get small specs of their own from the planner. Limits come from
+the native module (``_core.MAX_ECHO``, ``_core.MAX_CAPACITY``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import multiprocessing
+import pickle
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from .. import _checks, _core
-from ..reading.chunking import CHUNK
 from ..reading.ray import RayRows, is_ray_data
 from ..reading.sharding import Shard, resolve_shard
+from ..reading.source import is_map_style
 from ..tensors.convert import import_torch
-from ..workers.processes import check_picklable, default_start_method
-from .dataloader import DEFAULT_WORKERS as DEFAULT_THREADS
-from .dataloader import resolve
+from ..workers.processes import default_start_method
+from . import dataloader
+from .echo import Echo
 
-__all__ = ["LoaderConfig", "is_map_style", "loader_config", "reads_in_order"]
+__all__ = ["DEFAULT_BATCHES", "DEFAULT_EXAMPLES", "LoaderConfig", "accepts_keyword", "loader_config"]
 
 DEFAULT_EXAMPLES = 4096  # shuffle_buffer with echo_at="example"
 DEFAULT_BATCHES = 16  # ... with echo_at="batch"
 
 
-def is_map_style(source: Any) -> bool:
-    """A dataset read by index: ``__len__`` and ``__getitem__`` (not a str or bytes)."""
-    return hasattr(source, "__len__") and hasattr(source, "__getitem__") and not isinstance(source, (str, bytes))
-
-
 @dataclass(frozen=True)
 class LoaderConfig:
     """The validated arguments of an ``EchoLoader`` (see its docstring), plus
-    what follows from them."""
+    the rules that follow from them, each written once here.
 
-    source: Any
+    Attributes beyond the arguments:
+        workers: producer threads or processes (``num_workers``, resolved).
+        auto_workers: ``num_workers`` was not given and threads read: one
+            reading thread, more while reads wait (dataecho.workers.threads).
+        prefetch: batches assembled ahead (from ``prefetch_factor``).
+        start_method: for worker processes.
+        shard: this process's part of a data-parallel job.
+    """
+
+    dataset: Any
     batch_size: int
-    echo_factor: float | str
-    echo_at: str
+    shuffle: bool
+    sampler: Any
+    collate_fn: Callable[[list], Any] | None
+    pin_memory: bool
+    drop_last: bool
+    timeout: float | None
+    worker_init_fn: Callable[[int], None] | None
+    persistent_workers: bool
+    echo: Echo
     transform: Callable[[Any], Any] | None
     augment: Callable[..., Any] | None
     shuffle_buffer: int
-    workers: int
-    shuffle: bool
     seed: int
-    drop_last: bool
-    prefetch: int
-    max_echo: float
-    output: str
-    pin_memory: bool
-    device: Any
-    worker_type: str
-    start_method: str | None
     deterministic: bool
+    worker_type: str
+    workers: int
+    auto_workers: bool
+    prefetch: int
+    prefetch_factor: int | None
+    start_method: str | None
+    output: str
+    device: Any
     shard: Shard
-    sampler: Any = None
-    collate_fn: Callable[[list], Any] | None = None
-    worker_init_fn: Callable[[int], None] | None = None
-    timeout: float | None = None
-    persistent_workers: bool = False
-    auto_workers: bool = False  # workers=None with threads: one, more while reads wait (dataecho.workers.threads)
     ragged: frozenset[str] | None = None  # leaf paths declared ragged
     ragged_bytes: int | None = None  # the page heap's budget (None: sized from the first examples)
     padding: int | str | None = None  # None (packed), "longest" or a length
 
     @property
     def map_style(self) -> bool:
-        return is_map_style(self.source)
+        return is_map_style(self.dataset)
 
     @property
     def in_order(self) -> bool:
         """Batches hold the examples in reading order: the buffers draw first in,
-        first out (see :func:`reads_in_order`)."""
-        return reads_in_order(self.shuffle, self.echo_factor, self.source, self.worker_type)
-
-    @property
-    def chunk(self) -> int:
-        """Positions of a map-style order a worker claims at a time (dataecho.reading.chunking)."""
-        return min(CHUNK, self.batch_size)
-
-    @property
-    def augment_threads(self) -> int:
-        """Threads that run ``augment``: ``workers`` (at least one), or 2 when it was not given."""
-        return DEFAULT_THREADS if self.auto_workers else max(1, self.workers)
+        first out (see :func:`_reads_in_order`)."""
+        return _reads_in_order(self.shuffle, self.echo, self.dataset, self.worker_type)
 
     @property
     def exact_echo(self) -> bool:
         """Echo counts by position (exactly floor(n * e) deliveries of n examples):
         deterministic order needs them, and so do equal batch counts on every rank."""
         return self.deterministic or self.shard.world_size > 1
+
+    @property
+    def exact_checkpoint(self) -> bool:
+        """A state taken mid-epoch names every example: a map-style source read
+        in a deterministic order."""
+        return self.map_style and self.deterministic
 
     @property
     def augment_takes_rng(self) -> bool:
@@ -108,78 +108,86 @@ class LoaderConfig:
             "seed": self.seed,
             "rank": self.shard.rank,
             "world_size": self.shard.world_size,
-            "length": len(self.source) if self.map_style else None,
+            "length": len(self.dataset) if self.map_style else None,
             "sampler": None if self.sampler is None else type(self.sampler).__name__,
             "batch_size": self.batch_size,
-            "echo_factor": self.echo_factor,
-            "echo_at": self.echo_at,
+            "echo_factor": self.echo.setting,
+            "echo_at": self.echo.at,
             "shuffle_buffer": self.shuffle_buffer,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
             "deterministic": self.deterministic,
-            "max_echo": self.max_echo,
+            "max_echo": self.echo.max_echo,
             "augment": "none" if self.augment is None else "rng" if self.augment_takes_rng else "own randomness",
         }
 
 
-def loader_config(**arguments: Any) -> LoaderConfig:
-    """Validates ``EchoLoader``'s arguments (its keywords, by name; DataLoader's
-    names are resolved first, see dataecho.config.dataloader).
+def loader_config(*, dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, batch_sampler: Any,
+                  num_workers: Any, collate_fn: Any, pin_memory: Any, drop_last: Any, timeout: Any,
+                  worker_init_fn: Any, multiprocessing_context: Any, generator: Any, prefetch_factor: Any,
+                  persistent_workers: Any, pin_memory_device: Any, echo_factor: Any, echo_at: Any,
+                  max_echo: Any, transform: Any, augment: Any, shuffle_buffer: Any, seed: Any,
+                  deterministic: Any, worker_type: Any, output: Any, device: Any, rank: Any, world_size: Any,
+                  ragged: Any, ragged_bytes: Any, padding: Any) -> LoaderConfig:
+    """Validates ``EchoLoader``'s arguments, as given (see its docstring).
 
     Raises:
         TypeError, ValueError: a bad argument, named in the message.
         RuntimeError: a ``device`` that is not available here.
     """
-    a = resolve(arguments)
-    worker_type = _checks.choice("worker_type", a["worker_type"], ("thread", "process"))
-    source = _check_source(a["source"], worker_type)
-    batch_size = _checks.positive_int("batch_size", a["batch_size"])
-    echo_at = _checks.choice("echo_at", a["echo_at"], ("example", "batch"))
-    for name in ("transform", "augment"):
-        if a[name] is not None and not callable(a[name]):
-            raise TypeError(f"{name}: expected a callable or None, got {type(a[name]).__name__}")
-    deterministic = _checks.flag("deterministic", a["deterministic"])
-    shard = resolve_shard(a["rank"], a["world_size"])
+    dataloader.refuse_batch_sampler(batch_sampler)
+    workers = dataloader.num_workers(num_workers)
+    worker_type, start_method = dataloader.worker_kind(worker_type, multiprocessing_context, workers)
+    if worker_type == "process" and start_method is None:
+        start_method = default_start_method()
+    dataset = _check_dataset(dataset, worker_type)
+    batch_size = _checks.positive_int("batch_size", batch_size)
+    deterministic = _checks.flag("deterministic", deterministic)
+    shard = resolve_shard(rank, world_size)
     # Ranks must agree on the epoch's permutation: a common seed.
-    seed = _checks.seed(0 if a["seed"] is None and shard.world_size > 1 else a["seed"])
-    echo_factor = _check_echo(a["echo_factor"], deterministic, shard)
-    sampler, shuffle = _check_sampler(a["sampler"], a["shuffle"], source)
+    seed = dataloader.seed(generator, seed)
+    seed = _checks.seed(0 if seed is None and shard.world_size > 1 else seed)
+    echo = _check_echo(Echo.of(echo_factor, echo_at, max_echo), deterministic, shard)
+    sampler, shuffle = _check_sampler(sampler, shuffle, dataset)
     # shuffle=False at echo 1: batches in reading order, which deterministic intake gives.
-    in_order = reads_in_order(shuffle, echo_factor, source, worker_type)
-    shuffle_buffer = _check_shuffle_buffer(a["shuffle_buffer"], batch_size, echo_at, a["augment"] is not None,
-                                           deterministic, in_order)
-    deterministic = deterministic or in_order
-    # workers not given: threads start with one reader (see dataecho.workers.threads); processes, as declared, 2.
-    auto_workers = a["auto_workers"] and worker_type == "thread"
+    in_order = _reads_in_order(shuffle, echo, dataset, worker_type)
+    augment = dataloader.check_callable("augment", augment)
+    shuffle_buffer = _check_shuffle_buffer(shuffle_buffer, batch_size, echo, augment is not None, deterministic,
+                                           in_order)
+    persistent_workers = _checks.flag("persistent_workers", persistent_workers)
+    if persistent_workers and workers == 0:
+        raise ValueError("persistent_workers: needs num_workers > 0 (workers to keep), as in DataLoader")
+    # num_workers not given: threads start with one reader (see dataecho.workers.threads); processes, 2.
+    auto_workers = workers is None and worker_type == "thread"
     config = LoaderConfig(
-        source=source, batch_size=batch_size, echo_factor=echo_factor, echo_at=echo_at,
-        transform=a["transform"], augment=a["augment"], shuffle_buffer=shuffle_buffer,
-        workers=1 if auto_workers else _check_workers(a["workers"], worker_type), shuffle=shuffle, seed=seed,
-        drop_last=_checks.flag("drop_last", a["drop_last"]),
-        prefetch=_checks.positive_int("prefetch", a["prefetch"], 1 << 16),
-        max_echo=_checks.real("max_echo", a["max_echo"], 1.0, _core.MAX_ECHO),
-        output=_checks.choice("output", a["output"], ("numpy", "torch")), pin_memory=a["pin_memory"],
-        device=_check_device(a["device"]), worker_type=worker_type,
-        start_method=a["start_method"], deterministic=deterministic, shard=shard, sampler=sampler,
-        collate_fn=a["collate_fn"], worker_init_fn=a["worker_init_fn"], timeout=a["timeout"],
-        persistent_workers=a["persistent_workers"], auto_workers=auto_workers,
-        ragged=_check_ragged(a["ragged"]),
-        ragged_bytes=None if a["ragged_bytes"] is None else _checks.positive_int("ragged_bytes", a["ragged_bytes"]),
-        padding=_check_padding(a["padding"]),
+        dataset=dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+        collate_fn=dataloader.check_callable("collate_fn", collate_fn),
+        pin_memory=dataloader.pin_memory(pin_memory, pin_memory_device),
+        drop_last=_checks.flag("drop_last", drop_last), timeout=dataloader.timeout(timeout),
+        worker_init_fn=dataloader.check_callable("worker_init_fn", worker_init_fn),
+        persistent_workers=persistent_workers, echo=echo,
+        transform=dataloader.check_callable("transform", transform), augment=augment,
+        shuffle_buffer=shuffle_buffer, seed=seed, deterministic=deterministic or in_order, worker_type=worker_type,
+        workers=1 if auto_workers else _check_workers(workers, worker_type), auto_workers=auto_workers,
+        prefetch=dataloader.prefetch(prefetch_factor, workers), prefetch_factor=prefetch_factor,
+        start_method=start_method, output=_checks.choice("output", output, ("numpy", "torch")),
+        device=_check_device(device), shard=shard, ragged=_check_ragged(ragged),
+        ragged_bytes=None if ragged_bytes is None else _checks.positive_int("ragged_bytes", ragged_bytes),
+        padding=_check_padding(padding),
     )
     if config.collate_fn is not None and config.device is not None:
         raise ValueError("collate_fn: its result is yielded as it is, so `device` cannot move it; "
                          "move the batch in the loop (batch.to(device)), as with DataLoader")
     if worker_type == "process":
-        config = _check_processes(config)
+        _check_processes(config)
     return config
 
 
-def reads_in_order(shuffle: bool, echo_factor: float | str, source: Any, worker_type: str) -> bool:
+def _reads_in_order(shuffle: bool, echo: Echo, dataset: Any, worker_type: str) -> bool:
     """``shuffle=False`` at echo 1 yields the reading order exactly, where there is
     one: a map-style source, or an iterable read by one thread (worker processes
     each iterate their own shard)."""
-    return not shuffle and echo_factor == 1 and (is_map_style(source) or worker_type == "thread")
+    return not shuffle and echo.once and (is_map_style(dataset) or worker_type == "thread")
 
 
 def accepts_keyword(fn: Callable[..., Any], name: str) -> bool:
@@ -195,35 +203,37 @@ def accepts_keyword(fn: Callable[..., Any], name: str) -> bool:
     )
 
 
-def _check_source(source: Any, worker_type: str) -> Any:
-    if is_ray_data(source):
+def _check_dataset(dataset: Any, worker_type: str) -> Any:
+    if dataset is None:
+        raise TypeError("dataset: expected a dataset or an iterable, got None")
+    if is_ray_data(dataset):
         if worker_type == "process":
             raise ValueError(
                 "worker_type: a Ray dataset is read in this process (Ray runs its preprocessing); "
                 "use worker_type='thread'"
             )
-        source = RayRows(source)
-    if not (is_map_style(source) or isinstance(source, Iterable)):
+        dataset = RayRows(dataset)
+    if not (is_map_style(dataset) or isinstance(dataset, Iterable)):
         raise TypeError(
-            f"source: expected an iterable or a map-style dataset (__len__ and __getitem__), "
-            f"got {type(source).__name__}"
+            f"dataset: expected an iterable or a map-style dataset (__len__ and __getitem__), "
+            f"got {type(dataset).__name__}"
         )
-    return source
+    return dataset
 
 
-def _check_shuffle_buffer(value: Any, batch_size: int, echo_at: str, augment: bool, deterministic: bool,
+def _check_shuffle_buffer(value: Any, batch_size: int, echo: Echo, augment: bool, deterministic: bool,
                           in_order: bool) -> int:
     given = value is not None
     if given:
         value = _checks.positive_int("shuffle_buffer", value, _core.MAX_CAPACITY)
     else:
-        value = DEFAULT_BATCHES if echo_at == "batch" else DEFAULT_EXAMPLES
-    if echo_at == "example" and value < batch_size:
+        value = DEFAULT_EXAMPLES if echo.per_example else DEFAULT_BATCHES
+    if echo.per_example and value < batch_size:
         raise ValueError(f"shuffle_buffer: {value} examples cannot hold a batch of {batch_size}")
-    if echo_at == "example" and (in_order or (deterministic and not given)):
+    if echo.per_example and (in_order or (deterministic and not given)):
         # Room for the reorder window (below); in order nothing is mixed, so its size is free.
         value = min(max(value, 2 * batch_size), _core.MAX_CAPACITY)
-    if echo_at == "example" and (deterministic or in_order) and value < 2 * batch_size:
+    if echo.per_example and (deterministic or in_order) and value < 2 * batch_size:
         # Examples that arrive ahead of their turn wait in slots (up to a batch of
         # them) beside the resident ones: with less room, intake could stall.
         raise ValueError(
@@ -234,7 +244,7 @@ def _check_shuffle_buffer(value: Any, batch_size: int, echo_at: str, augment: bo
     # An epoch's native buffers hold at most MAX_CAPACITY examples each:
     # shuffle_buffer examples (echo_at="example"), 2 batches (echo_at="batch"),
     # 4 (the output of augment).
-    held = 4 if augment else 2 if echo_at == "batch" else 1
+    held = 4 if augment else 1 if echo.per_example else 2
     if batch_size * held > _core.MAX_CAPACITY:
         raise ValueError(
             f"batch_size: expected at most {_core.MAX_CAPACITY // held} (a buffer of this epoch holds "
@@ -263,26 +273,27 @@ def _check_padding(value: Any) -> int | str | None:
     return _checks.positive_int("padding", value)
 
 
-def _check_echo(value: Any, deterministic: bool, shard: Shard) -> float | str:
-    echo_factor = _checks.echo_factor(value)
-    if echo_factor == "auto" and (deterministic or shard.world_size > 1):
+def _check_echo(echo: Echo, deterministic: bool, shard: Shard) -> Echo:
+    if echo.auto and (deterministic or shard.world_size > 1):
         why = "deterministic=True" if deterministic else f"world_size={shard.world_size}"
         raise ValueError(
             f"echo_factor: 'auto' adapts to timing, so its batches (and their number per rank) "
             f"cannot be fixed in advance as {why} needs; give a number"
         )
-    return echo_factor
+    return echo
 
 
-def _check_workers(workers: int, worker_type: str) -> int:
+def _check_workers(workers: int | None, worker_type: str) -> int:
+    if workers is None:
+        return dataloader.DEFAULT_WORKERS
     if workers > 1024:
-        raise ValueError(f"workers: expected at most 1024, got {workers}")
+        raise ValueError(f"num_workers: expected at most 1024, got {workers}")
     if workers == 0 and worker_type == "process":
-        raise ValueError("workers: 0 reads in the calling thread; worker processes need workers >= 1")
+        raise ValueError("num_workers: 0 reads in the calling thread; worker processes need num_workers >= 1")
     return workers
 
 
-def _check_sampler(sampler: Any, shuffle: Any, source: Any) -> tuple[Any, bool]:
+def _check_sampler(sampler: Any, shuffle: Any, dataset: Any) -> tuple[Any, bool]:
     """(sampler, shuffle): ``shuffle`` defaults to True, or False with a sampler,
     which decides the order itself (as in DataLoader, the two exclude each other)."""
     if sampler is None:
@@ -290,8 +301,8 @@ def _check_sampler(sampler: Any, shuffle: Any, source: Any) -> tuple[Any, bool]:
     if shuffle:
         raise ValueError("sampler: decides the order itself, so shuffle=True cannot be given with it "
                          "(as in DataLoader)")
-    if not is_map_style(source):
-        raise ValueError("sampler: needs a map-style source (__len__ and __getitem__), as in DataLoader")
+    if not is_map_style(dataset):
+        raise ValueError("sampler: needs a map-style dataset (__len__ and __getitem__), as in DataLoader")
     if not isinstance(sampler, Iterable):
         raise TypeError(f"sampler: expected a torch Sampler or an iterable of indices, got {type(sampler).__name__}")
     return sampler, False
@@ -316,28 +327,35 @@ def _check_device(device: Any) -> Any:
     return device
 
 
-def _check_processes(config: LoaderConfig) -> LoaderConfig:
+def _check_processes(config: LoaderConfig) -> None:
     """worker_type="process": a start method that works, and what workers get pickles."""
     method = config.start_method
-    if method is None:
-        method = default_start_method()
-    elif not isinstance(method, str):
-        raise TypeError(f"start_method: expected None or a str, got {method!r}")
-    elif method == "fork":
+    if method == "fork":
         raise ValueError(
-            "start_method: 'fork' is unsafe in a process that runs native threads (the buffer's "
+            "multiprocessing_context: 'fork' is unsafe in a process that runs native threads (the buffer's "
             "assembler); use 'forkserver' or 'spawn'"
         )
-    elif method not in multiprocessing.get_all_start_methods():
-        raise ValueError(f"start_method: expected one of {multiprocessing.get_all_start_methods()}, got {method!r}")
+    if method not in multiprocessing.get_all_start_methods():
+        raise ValueError(f"multiprocessing_context: expected one of {multiprocessing.get_all_start_methods()}, "
+                         f"got {method!r}")
     if config.workers > _core.MAX_WORKERS:
-        raise ValueError(f"workers: expected at most {_core.MAX_WORKERS} worker processes, got {config.workers}")
-    check_picklable("source", config.source)
-    check_picklable("transform", config.transform)
-    check_picklable("worker_init_fn", config.worker_init_fn)
+        raise ValueError(f"num_workers: expected at most {_core.MAX_WORKERS} worker processes, got {config.workers}")
+    for name in ("dataset", "transform", "worker_init_fn"):
+        _check_picklable(name, getattr(config, name))
     if config.deterministic and not config.map_style:
         raise ValueError(
             "deterministic: worker processes each read their own shard of an iterable, which "
-            "have no common order; use a map-style source, or worker_type='thread'"
+            "have no common order; use a map-style dataset, or worker_type='thread'"
         )
-    return dataclasses.replace(config, start_method=method)
+
+
+def _check_picklable(name: str, value: Any) -> None:
+    """Raises a TypeError naming ``name`` if ``value`` cannot be sent to a worker process."""
+    try:
+        pickle.dumps(value)
+    except Exception as exc:  # pickling can fail with many exception types
+        raise TypeError(
+            f"{name}: worker_type='process' sends it to worker processes, but it cannot be pickled "
+            f"({type(exc).__name__}: {exc}); define it at module level (not a lambda or a local "
+            f"function), or use worker_type='thread'"
+        ) from None

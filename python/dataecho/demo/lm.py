@@ -151,7 +151,7 @@ def make_loader(config: Config, dataset: StoredText, *, batch_size: int, workers
         transform=None if before else tokenize,  # before: the text itself is held
         augment=tokenize_and_crop if before else None,
         shuffle_buffer=resident,
-        workers=workers,
+        num_workers=workers,
         seed=seed,
         max_echo=4.0,
         output="torch",

@@ -53,10 +53,6 @@ class Run:
     history: list[tuple[float, int, int, float]] = field(default_factory=list)
     reached: tuple[float, int, int, float] | None = None  # the first row at or over the target
 
-    @property
-    def final_accuracy(self) -> float:
-        return self.history[-1][3] if self.history else 0.0
-
 
 def make_net(torch: Any) -> Any:
     """A small CNN: about 2 ms per training step of 64 digits on one CPU core."""
@@ -80,7 +76,7 @@ def make_loader(config: Config, dataset: PngDigits, augment: Augment, *, batch_s
         transform=augment if after else None,
         augment=None if after else augment,
         shuffle_buffer=1024 if config.placement != "batch" else 16,
-        workers=workers,
+        num_workers=workers,
         seed=seed,
         max_echo=4.0,
         output="torch",

@@ -19,8 +19,9 @@ from .. import _core
 from ..errors import BufferClosed
 from ..examples.fields import Field, field_value
 from ..examples.objects import LeafMap
+from .hold import HoldPolicy
 
-__all__ = ["HOLD_MIN_BYTES", "NativeBuffer", "put_many_error"]
+__all__ = ["NativeBuffer", "put_many_error"]
 
 _OK, _CLOSED, _TIMEOUT = _core.Status.OK, _core.Status.CLOSED, _core.Status.TIMEOUT
 
@@ -28,11 +29,6 @@ _STATS = ("fresh", "delivered", "batches", "dropped", "evicted", "resident", "fr
           "pages", "pages_in_use", "starved", "producer_wait_s", "consumer_wait_s")
 
 _live: weakref.WeakSet[NativeBuffer] = weakref.WeakSet()
-
-# Fields of at least this many bytes per example can be held by reference
-# instead of copied into a slot (see NativeBuffer's ``hold``). Below it the
-# copy costs less than the bookkeeping: bench/bench_hold.py measures the crossover.
-HOLD_MIN_BYTES = 8192
 
 
 class NativeBuffer:
@@ -57,27 +53,17 @@ class NativeBuffer:
             freed, for the next buffer of the same size (a loader's next epoch).
         objects: how object fields travel: ``"key"`` (by reference) or
             ``"pickle"`` (the buffer is shared with worker processes).
-        hold: how values of fields of ``HOLD_MIN_BYTES`` or more get in:
-            ``"sources"`` (the loader's): only rows of an in-memory source
-            array given as (array, indices) are held by reference, and the
-            batch is gathered straight from them (one copy per example, not
-            two); what a dataset returns is copied into slots, which the loader
-            keeps from one epoch to the next, where held arrays would be freed
-            and their memory faulted in again. ``"auto"`` (ShuffleBuffer's):
-            arrays of one example each (``put_arrays``, list columns of
-            ``put_each``) are held too; stacked arrays (``put_many_arrays``,
-            stacked columns) and memory-mapped sources are copied, so that no
-            stacked array stays alive for the sake of one row. ``True``:
-            stacked arrays are held too. ``False``: everything is copied. A held array is made read-only and kept alive
-            until its last echo is gathered; a source array is not changed and
-            must not be written meanwhile. Shared buffers copy.
+        hold: which large values are held by reference instead of copied:
+            ``"sources"`` (the loader's), ``"auto"`` (ShuffleBuffer's), True
+            or False (see dataecho.native.hold, which decides; shared buffers
+            hold nothing).
     """
 
     def __init__(self, fields: list[Field], config: _core.BufferConfig, restore: _core.Snapshot | None = None,
                  cache: _core.BlockCache | None = None, objects: str = "key", hold: bool | str = "sources"):
         self.fields = fields
-        self.hold = hold
-        config.hold_min_bytes = HOLD_MIN_BYTES if hold else 0
+        self._hold = HoldPolicy(hold, shared=config.shared)
+        config.hold_min_bytes = self._hold.min_bytes
         self.page_bytes = config.page_bytes  # of the page heap for ragged values (0: none)
         self.capacity = config.capacity
         self._map = LeafMap(fields, objects)
@@ -93,7 +79,7 @@ class NativeBuffer:
                 f"({config.capacity * example / 2**30:.1f} GiB) and {config.pages * config.page_bytes} bytes "
                 f"for ragged values; lower capacity (or ragged_bytes)"
             ) from None
-        self._holdable = list(self._core.holdable_fields)  # native field indices
+        self._hold.holdable = list(self._core.holdable_fields)  # native field indices
         self._pid = os.getpid()
         self.forked = False  # set in a forked child by _forget_after_fork: no syscall per call
         _live.add(self)
@@ -109,8 +95,8 @@ class NativeBuffer:
         """Puts one example given as one converted array per field (object
         fields: the objects themselves)."""
         self.check_process()
-        hold = self.hold in ("auto", True) and bool(self._holdable)
-        status = self._core.put(self._map.example(arrays), timeout_s, seq, hold)
+        native = self._map.example(arrays)
+        status = self._core.put(native, timeout_s, seq, self._hold.example(native))
         if status == _CLOSED:
             raise BufferClosed("put(): the ShuffleBuffer is closed")
         if status == _TIMEOUT:
@@ -120,7 +106,7 @@ class NativeBuffer:
         """Puts `rows` stacked examples; on failure the exception's
         ``examples_put`` says how many went in."""
         self.check_process()
-        status, done = self._core.put_many(arrays, rows, timeout_s, 0, self.hold is True and bool(self._holdable))
+        status, done = self._core.put_many(arrays, rows, timeout_s, 0, self._hold.stacked(arrays))
         if status != _OK:
             raise put_many_error(status, done, rows, timeout_s)
 
@@ -135,25 +121,11 @@ class NativeBuffer:
             BufferClosed: the buffer was closed or stopped.
         """
         self.check_process()
-        status, done = self._core.put_each(columns, rows, timeout_s, first_seq, done, self._holds(columns))
+        status, done = self._core.put_each(columns, rows, timeout_s, first_seq, done,
+                                           self._hold.columns(columns, done))
         if status == _CLOSED:
             raise BufferClosed("put(): the ShuffleBuffer is closed")
         return done
-
-    def _holds(self, columns: list) -> bool:
-        """Whether a ``put_each`` of ``columns`` holds its holdable fields' values (see ``hold``)."""
-        if not self._holdable or self.hold is False:
-            return False
-        if self.hold is True:
-            return True
-        for f in self._holdable:
-            column = columns[f]
-            if isinstance(column, tuple):
-                if isinstance(column[0], np.memmap):
-                    return False
-            elif not isinstance(column, list) or self.hold == "sources":
-                return False
-        return True
 
     @property
     def held(self) -> int:

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
 from .. import _core
-from ..config.loader_config import LoaderConfig
 from ..errors import BufferClosed, stop_iteration_error
 from ..examples.leaves import read_only, row_of, stack
 from ..examples.structure import Structure
@@ -36,31 +36,47 @@ from ..native.sizing import buffer_config, ragged_heap
 from ..reading.source import EpochSource
 from ..tensors.pinned import pin_batch_memory
 from ..workers.failure import Failure
+from . import checkpoint
+from .delivery_rng import DeliveryRng
 from .stage import Batch, Stage
 
-__all__ = ["AugmentStage", "DeliveryRng"]
+__all__ = ["AugmentSpec", "AugmentStage", "check_state"]
 
 _SNAPSHOT_KEYS = ("batches", "rng_state", "next_seq", "available")
 
 
-class DeliveryRng:
-    """``numpy.random.Generator``s keyed by delivery number: Philox with a key
-    from (seed, epoch, rank) and the delivery number in its counter, so that
-    every delivery has its own stream (2**64 blocks long). One per thread: the
-    generator handed out for a delivery is valid until the next ``at`` call."""
+@dataclass(frozen=True)
+class AugmentSpec:
+    """What the augment stage needs (built by dataecho.pipeline.plan).
 
-    def __init__(self, seed: int, epoch: int, rank: int) -> None:
-        self._key = np.random.SeedSequence([seed, epoch, rank, 0x6175676D]).generate_state(2, dtype=np.uint64)
-        self._bits = np.random.Philox(key=self._key)
-        self._empty = np.zeros(4, dtype=np.uint64)
+    Attributes:
+        augment: the function, called per delivery.
+        takes_rng: it accepts ``rng``: it is given a generator per delivery
+            (keyed by ``seed``, the epoch, ``rank`` and the delivery number).
+        threads: threads that run it.
+        exact: rows carry their positions: a state names every row.
+        capacity, batch_size, drop_last, prefetch, deterministic, in_order:
+            the output buffer's settings.
+        declared_ragged: leaf paths of augment's output declared ragged.
+        ragged_bytes: the output's page heap budget, or None.
+        pinned_batches: page-locked batch blocks for the output buffer (0: none).
+    """
 
-    def at(self, delivery: int) -> np.random.Generator:
-        self._bits.state = {
-            "bit_generator": "Philox",
-            "state": {"counter": np.array((0, delivery, 0, 0), dtype=np.uint64), "key": self._key},
-            "buffer": self._empty, "buffer_pos": 4, "has_uint32": 0, "uinteger": 0,
-        }
-        return np.random.Generator(self._bits)
+    augment: Callable[..., Any]
+    takes_rng: bool
+    seed: int
+    rank: int
+    threads: int
+    exact: bool
+    capacity: int
+    batch_size: int
+    drop_last: bool
+    prefetch: int
+    deterministic: bool
+    in_order: bool
+    declared_ragged: frozenset[str] | None
+    ragged_bytes: int | None
+    pinned_batches: int
 
 
 class _Task:
@@ -77,37 +93,38 @@ class AugmentStage:
     """Worker threads from an upstream stage to an output buffer.
 
     Args:
+        spec: the stage's settings.
         upstream: the stage whose batches are augmented, pulled under ``pull_lock``.
         structure: the structure of upstream examples.
-        config: the loader's configuration (``augment``, ``workers``, sizes, seed).
         source: this epoch's source, to read rows again on resume.
         failure, on_failure: where a worker's exception goes, and what stops the epoch.
         pull_lock: held while pulling from upstream (and while the epoch takes states).
         resume: this stage's state from a checkpoint, or None.
-        pinned_batches: page-locked batch blocks to give the output buffer (0: none).
     """
 
     name = "augment"
 
-    def __init__(self, upstream: Stage, structure: Structure, config: LoaderConfig, source: EpochSource,
+    def __init__(self, spec: AugmentSpec, upstream: Stage, structure: Structure, source: EpochSource,
                  failure: Failure, on_failure: Callable[[], None], pull_lock: threading.Lock,
-                 resume: dict[str, Any] | None = None, pinned_batches: int = 0) -> None:
+                 resume: dict[str, Any] | None = None) -> None:
         self._upstream, self._structure, self._source = upstream, structure, source
-        self._augment = config.augment
-        self._rng_key = (config.seed, source.epoch, config.shard.rank) if config.augment_takes_rng else None
-        self.unresumable = None if config.augment_takes_rng else (
+        self._augment = spec.augment
+        self._rng_key = (spec.seed, source.epoch, spec.rank) if spec.takes_rng else None
+        self.unresumable = None if spec.takes_rng else (
             "saving a position mid-epoch with augment needs augment to accept a keyword argument rng "
             "(def augment(example, rng): ...; draw its randomness from that numpy Generator) so that "
             "its output can be recomputed on resume")
-        self._track = config.map_style and config.deterministic  # rows carry positions
+        self._track = spec.exact  # rows carry positions
         self._failure, self._on_failure, self._pull_lock = failure, on_failure, pull_lock
         self._output_config = buffer_config(
-            capacity=max(4 * config.batch_size, 256), batch_size=config.batch_size, seed=source.seeds[3],
-            drop_last=config.drop_last, prefetch=config.prefetch, initial=config.batch_size,
-            deterministic=config.deterministic, in_order=config.in_order,
+            capacity=spec.capacity, batch_size=spec.batch_size, seed=source.seeds[3], drop_last=spec.drop_last,
+            prefetch=spec.prefetch, initial=spec.batch_size, deterministic=spec.deterministic,
+            in_order=spec.in_order,
         )
-        self._pinned_batches, self._chunk = pinned_batches, config.batch_size
-        self._ragged, self._ragged_bytes = config.ragged, config.ragged_bytes
+        self._pinned_batches, self._chunk = spec.pinned_batches, spec.batch_size
+        self._ragged, self._ragged_bytes = spec.declared_ragged, spec.ragged_bytes
+        # Output batches that had left the output buffer when the state was taken: yielded first.
+        self._replay: deque[dict[str, np.ndarray]] = deque(resume["queued"] if resume else [])
         self._setup = threading.Lock()
         self._stop = threading.Event()
         self._taken = 0  # deliveries numbered so far
@@ -121,7 +138,7 @@ class AugmentStage:
         self._ended = resume is not None and resume["output"] is not None and resume["output"]["ended"]
         if resume is not None:
             self._resume_from(resume)
-        workers = 0 if self._ended else config.augment_threads  # workers=0 reads inline; augment still runs
+        workers = 0 if self._ended else spec.threads
         self._running = workers
         self._threads = [
             threading.Thread(target=self._run, name=f"dataecho-augment-{i}", daemon=True) for i in range(workers)
@@ -132,6 +149,8 @@ class AugmentStage:
     # ---- the stage ----
 
     def next(self, timeout_s: float | None = None) -> Batch:
+        if self._replay:
+            return self.read_batch(self._replay.popleft())
         if self._ended:
             raise StopIteration
         while not self.ready.wait(0.05):  # in slices: Ctrl-C reaches a waiting consumer
@@ -201,7 +220,7 @@ class AugmentStage:
             },
             "pending": {"deliveries": np.array(pending, dtype=np.uint64),
                         "rows": np.array([self._positions[d] for d in pending], dtype=np.uint64)},
-            "queued": queued,
+            "queued": list(self._replay) + queued,
         }
 
     def _resume_from(self, state: dict[str, Any]) -> None:
@@ -305,3 +324,38 @@ class AugmentStage:
                 self.output = output
                 self.ready.set()
             return self.output
+
+
+def check_state(state: dict, order: np.ndarray, where: str) -> dict[str, Any]:
+    """This stage's saved state, checked against the epoch's order and normalized:
+    ``taken``, rows taken from upstream (the next delivery number); ``output``,
+    its output buffer's state (resident rows named by delivery number), or None
+    before it exists (once resumed, the state it is to be restored from);
+    ``pending``, each row taken and not yet in a batch, by delivery number and
+    position; ``queued``, output batches assembled but not yet taken.
+
+    Raises:
+        ValueError: a state this stage could not have saved, naming the key.
+    """
+    taken = checkpoint.int_at(state, "taken", where)
+    pending = checkpoint.ids_of(checkpoint.dict_at(state, "pending", where), order, f"{where}['pending']",
+                                deliveries=True)
+    if len(pending["deliveries"]) and pending["deliveries"].max() >= taken:
+        raise ValueError(f"{where}['pending']: delivery numbers beyond 'taken'")
+    output = state.get("output")
+    if output is not None:
+        at = f"{where}['output']"
+        output = checkpoint.dict_at(state, "output", where)
+        checked = {key: checkpoint.int_at(output, key, at) for key in _SNAPSHOT_KEYS}
+        checked["ended"] = checkpoint.bool_at(output, "ended", at)
+        resident = checkpoint.array_at(output, "deliveries", np.uint64, at)
+        echoes = checkpoint.array_at(output, "echoes", np.uint32, at)
+        if len(resident) != len(echoes) or (len(echoes) and echoes.min() == 0):
+            raise ValueError(f"{at}: expected an echo left for each resident row")
+        if not set(resident.tolist()) <= set(pending["deliveries"].tolist()) or checked["next_seq"] > taken:
+            raise ValueError(f"{at}: resident rows that are not pending")
+        if checked["available"] > len(resident):
+            raise ValueError(f"{at}['available']: more than the resident rows")
+        output = {**checked, "deliveries": resident, "echoes": echoes}
+    return {"taken": taken, "output": output, "pending": pending,
+            "queued": checkpoint.batches_at(state, "queued", order, where, deliveries=True)}

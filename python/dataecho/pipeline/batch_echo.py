@@ -11,21 +11,54 @@ as read-only views (a write raises). torch has no read-only tensors, so with
 original memory: each tensor yielded can be modified in place.
 
 With exact echo counts the stage's state names its resident batches by their
-rows, with their remaining deliveries, and the generator's state: a resumed
-stage reads those rows again and picks exactly as the uninterrupted one would.
+rows (``entries``: ``rows``, deliveries ``left`` of ``deliveries``), the last
+one yielded, its counters and its generator's state: a resumed stage reads
+those rows again and picks exactly as the uninterrupted one would.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
 from ..examples.leaves import read_only
+from . import checkpoint
 from .stage import Batch, Stage
 
-__all__ = ["BatchEchoStage"]
+__all__ = ["BatchEchoSpec", "BatchEchoStage", "check_state"]
+
+
+@dataclass(frozen=True)
+class BatchEchoSpec:
+    """What batch echoing needs (built by dataecho.pipeline.plan).
+
+    Attributes:
+        resident: batches held at once.
+        batch_size: rows of a full batch.
+        echo_factor: mean deliveries per batch (``floor(e)`` or ``floor(e) + 1``),
+            or None for "auto": a batch is repeated only when no fresh one is
+            ready, at most about ``max_echo`` times in all.
+        max_echo: the cap for "auto".
+        exact: the fractional part of the factor by batch number (exactly
+            floor(n * f) of the first n batches get the extra delivery) instead
+            of at random, so that the number of deliveries is known in advance;
+            the stage can then be checkpointed.
+        torch_output: batches are handed out as torch tensors.
+        views_batch_memory: what is handed out views the upstream's batch
+            memory (no augment, no device copy): with tensors (torch output,
+            or leaves of a dtype NumPy lacks), repeats are copies (see above).
+    """
+
+    resident: int
+    batch_size: int
+    echo_factor: float | None
+    max_echo: float
+    exact: bool
+    torch_output: bool = False
+    views_batch_memory: bool = False
 
 
 class _Entry:
@@ -41,18 +74,9 @@ class BatchEchoStage:
     """A shuffle buffer of batches with per-batch echo counts.
 
     Args:
+        spec: the stage's settings.
         upstream: the stage whose batches are echoed.
-        resident: batches held at once.
-        batch_size: rows of a full batch.
-        echo_factor: mean deliveries per batch (``floor(e)`` or ``floor(e) + 1``),
-            or None for "auto": a batch is repeated only when no fresh one is
-            ready, at most about ``max_echo`` times in all.
-        max_echo: the cap for "auto".
         seed: seeds the echo counts and picks.
-        exact: the fractional part of the factor by batch number (exactly
-            floor(n * f) of the first n batches get the extra delivery) instead
-            of at random, so that the number of deliveries is known in advance;
-            the stage can then be checkpointed.
         copy_repeats: copies a batch's arrays, or None: deliver copies (and the
             original last) instead of read-only views of one batch (for torch
             output, see above).
@@ -62,19 +86,18 @@ class BatchEchoStage:
 
     name = "batch_echo"
 
-    def __init__(self, upstream: Stage, resident: int, batch_size: int, echo_factor: float | None,
-                 max_echo: float, seed: int, exact: bool = False, resume: dict[str, Any] | None = None,
-                 read_batch: Callable[[dict[str, np.ndarray]], Batch] | None = None,
-                 copy_repeats: Callable[[tuple], tuple] | None = None) -> None:
+    def __init__(self, spec: BatchEchoSpec, upstream: Stage, seed: int,
+                 copy_repeats: Callable[[tuple], tuple] | None = None, resume: dict[str, Any] | None = None,
+                 read_batch: Callable[[dict[str, np.ndarray]], Batch] | None = None) -> None:
         self._upstream = upstream
         self._copy_repeats = copy_repeats
-        self._resident = resident
-        self._batch_size = batch_size
-        self._echo = echo_factor
-        self._max_echo = max_echo
+        self._resident = spec.resident
+        self._batch_size = spec.batch_size
+        self._echo = spec.echo_factor
+        self._max_echo = spec.max_echo
         self._rng = np.random.default_rng(seed)
-        self._exact = exact
-        self.unresumable = None if exact else "batch echoing with echo_factor='auto' depends on timing"
+        self._exact = spec.exact
+        self.unresumable = None if spec.exact else "batch echoing with echo_factor='auto' depends on timing"
         self._entries: list[_Entry] = []
         self._last: _Entry | None = None
         self._upstream_done = False
@@ -203,3 +226,34 @@ class BatchEchoStage:
             n, f = self.fresh_batches - 1, factor - whole  # this batch's number
             return whole + math.floor((n + 1) * f) - math.floor(n * f)
         return whole + int(self._rng.random() < factor - whole)
+
+
+def check_state(state: dict, order: np.ndarray, where: str) -> dict[str, Any]:
+    """This stage's saved state, checked against the epoch's order and normalized.
+
+    Raises:
+        ValueError: a state this stage could not have saved, naming the key.
+    """
+    entries = state.get("entries")
+    if not isinstance(entries, list):
+        raise ValueError(f"{where}['entries']: expected a list")
+    checked_entries = []
+    for i, entry in enumerate(entries):
+        at = f"{where}['entries'][{i}]"
+        ids = checkpoint.ids_of(checkpoint.mapping(entry, at), order, at)
+        left, deliveries = checkpoint.int_at(entry, "left", at), checkpoint.int_at(entry, "deliveries", at)
+        if not 1 <= left <= deliveries:
+            raise ValueError(f"{at}: expected 1 <= left <= deliveries, got {left} and {deliveries}")
+        checked_entries.append({**ids, "left": left, "deliveries": deliveries})
+    last = state.get("last")
+    if not isinstance(last, (int, np.integer)) or isinstance(last, bool) or not -1 <= last < len(entries):
+        raise ValueError(f"{where}['last']: expected an index of entries or -1, got {last!r}")
+    rng = state.get("rng")
+    if not isinstance(rng, dict):
+        raise ValueError(f"{where}['rng']: expected a generator state (a dict)")
+    return {
+        "entries": checked_entries, "last": int(last), "rng": rng,
+        "fresh_batches": checkpoint.int_at(state, "fresh_batches", where),
+        "delivered_batches": checkpoint.int_at(state, "delivered_batches", where),
+        "upstream_done": checkpoint.bool_at(state, "upstream_done", where),
+    }

@@ -1,14 +1,7 @@
-"""Builds an epoch's chain of stages: the one place that knows which stages a
-configuration needs, in which order, and how a checkpoint's states map onto
-them.
+"""Builds an epoch's chain of stages from the plan (dataecho.pipeline.plan),
+first to last, each from its own spec and its own part of a checkpoint:
 
-    intake -> intake_replay -> [batch_echo] -> [augment -> augment_replay]
-           -> final_replay -> [device]
-
-The replay stages are there only where a checkpoint can be exact (a map-style
-source with ``deterministic=True``); on resume each yields first the batches
-that had left the stage before it, or (``final_replay``) were on their way to
-the device, when the state was taken.
+    intake -> [batch_echo] -> [augment] -> [delivery]
 """
 
 from __future__ import annotations
@@ -17,20 +10,25 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..config.loader_config import LoaderConfig
 from ..examples.structure import Structure
 from ..reading.source import EpochSource
 from ..workers.failure import Failure
-from .augment import AugmentStage
-from .batch_echo import BatchEchoStage
-from .device import DeviceStage
-from .intake import IntakeStage
-from .replay import Replay
+from . import augment, batch_echo, delivery, intake
+from .checkpoint import StateCheck
+from .plan import Plan
 from .stage import Stage
 
-__all__ = ["JOIN_TIMEOUT_S", "Chain", "build_chain", "checkpoint_mode", "stage_names"]
+__all__ = ["JOIN_TIMEOUT_S", "Chain", "build_chain", "state_checks"]
 
 JOIN_TIMEOUT_S = 5.0  # how long a stopped epoch waits for each stage's threads
+
+_CHECKS: dict[str, StateCheck] = {"intake": intake.check_state, "batch_echo": batch_echo.check_state,
+                                  "augment": augment.check_state, "delivery": delivery.check_state}
+
+
+def state_checks(plan: Plan) -> dict[str, StateCheck]:
+    """Per stage whose state an exact checkpoint of ``plan``'s epochs holds, its check."""
+    return {name: _CHECKS[name] for name in plan.stage_names}
 
 
 @dataclass
@@ -53,26 +51,7 @@ class Chain:
     mode: str | None = None
 
 
-def checkpoint_mode(config: LoaderConfig) -> str | None:
-    """"exact", "skip" or None (see Chain.mode)."""
-    if config.map_style:
-        return "exact" if config.deterministic else None
-    return "skip" if config.worker_type == "thread" else None
-
-
-def stage_names(config: LoaderConfig) -> list[str]:
-    """The names of the stages whose states an exact checkpoint holds (the
-    device stage's, whose batches in flight resume through final_replay, may
-    be there too)."""
-    names = ["intake", "intake_replay"]
-    if config.echo_at == "batch" and not config.in_order:
-        names.append("batch_echo")
-    if config.augment is not None:
-        names += ["augment", "augment_replay"]
-    return names + ["final_replay"]
-
-
-def build_chain(chain: Chain, config: LoaderConfig, structure: Structure, source: EpochSource, first: Any,
+def build_chain(chain: Chain, plan: Plan, structure: Structure, source: EpochSource, first: Any,
                 resume: dict[str, Any] | None, on_failure: Callable[[], None]) -> None:
     """Builds and starts the stages of one epoch into ``chain``, first to last.
 
@@ -81,8 +60,8 @@ def build_chain(chain: Chain, config: LoaderConfig, structure: Structure, source
     stops those), and one registered after a failure is stopped at once.
 
     Args:
-        chain: where the stages go (its mode from :func:`checkpoint_mode`).
-        config: the loader's configuration.
+        chain: where the stages go.
+        plan: the loader's plan.
         structure: the examples' structure.
         source: this epoch's view of the source.
         first: the examples read to learn the structure (put first), or none.
@@ -90,7 +69,7 @@ def build_chain(chain: Chain, config: LoaderConfig, structure: Structure, source
         on_failure: stops the epoch; stage threads call it after recording an error.
     """
     try:
-        _build(chain, config, structure, source, first, resume or {}, on_failure)
+        _build(chain, plan, structure, source, first, resume or {}, on_failure)
     except BaseException:
         # Ctrl-C or an error part-way: the stages started so far stop too.
         for stage in reversed(chain.stages):
@@ -100,39 +79,25 @@ def build_chain(chain: Chain, config: LoaderConfig, structure: Structure, source
         raise
 
 
-def _build(chain: Chain, config: LoaderConfig, structure: Structure, source: EpochSource, first: Any,
+def _build(chain: Chain, plan: Plan, structure: Structure, source: EpochSource, first: Any,
            states: dict[str, Any], on_failure: Callable[[], None]) -> None:
-    exact = chain.mode == "exact"
-    pinned = _pinned_batches(config)
-    intake = IntakeStage(config, source, structure, first, chain.failure, on_failure, states.get("intake"),
-                         pinned if config.augment is None else 0)
-    last: Stage = _add(chain, intake)
-    read_batch = intake.read_batch
-    if exact:
-        last = _add(chain, Replay("intake_replay", last, _after(states, "intake_replay", "intake"), read_batch))
-    if config.echo_at == "batch" and not config.in_order:  # in order, batch echo at 1 would only mix
-        echo = None if config.echo_factor == "auto" else float(config.echo_factor)
-        # torch has no read-only tensors: where its tensors view the batch memory
-        # (no augment, no device copy), a repeat is delivered from its own memory.
-        tensors = config.output == "torch" or any(structure.torch_dtypes)  # bfloat16 leaves are tensors too
-        copy = intake.copy_arrays if tensors and config.augment is None and config.device is None else None
-        last = _add(chain, BatchEchoStage(last, config.shuffle_buffer, config.batch_size, echo, config.max_echo,
-                                          source.seeds[1], exact=config.exact_echo, resume=states.get("batch_echo"),
-                                          read_batch=read_batch, copy_repeats=copy))
-    if config.augment is not None:
-        augment = AugmentStage(last, structure, config, source, chain.failure, on_failure, chain.pull_lock,
-                               states.get("augment"), pinned)
-        last, read_batch = _add(chain, augment), augment.read_batch
-        if exact:
-            last = _add(chain, Replay("augment_replay", last, _after(states, "augment_replay", "augment"),
-                                      read_batch))
-    if exact:
-        # Batches on their way to the device when the state was taken come first
-        # (a loader resumed without a device yields them too).
-        queued = states.get("device", {}).get("in_flight", []) + states.get("final_replay", {}).get("queued", [])
-        last = _add(chain, Replay("final_replay", last, queued, read_batch))
-    if config.device is not None:
-        _add(chain, DeviceStage(last, config.device, config.padding))
+    stage = intake.IntakeStage(plan.intake, source, structure, first, chain.failure, on_failure,
+                               states.get("intake"))
+    last: Stage = _add(chain, stage)
+    read_batch = stage.read_batch
+    if plan.batch_echo is not None:
+        spec = plan.batch_echo
+        copy = None
+        if spec.views_batch_memory and (spec.torch_output or any(structure.torch_dtypes)):
+            copy = stage.copy_arrays  # bfloat16 leaves are tensors too
+        last = _add(chain, batch_echo.BatchEchoStage(spec, last, source.seeds[1], copy, states.get("batch_echo"),
+                                                     read_batch))
+    if plan.augment is not None:
+        augmenting = augment.AugmentStage(plan.augment, last, structure, source, chain.failure, on_failure,
+                                          chain.pull_lock, states.get("augment"))
+        last, read_batch = _add(chain, augmenting), augmenting.read_batch
+    if plan.delivery is not None:
+        _add(chain, delivery.DeliveryStage(plan.delivery, last, states.get("delivery"), read_batch))
 
 
 def _add(chain: Chain, stage: Stage) -> Stage:
@@ -140,21 +105,3 @@ def _add(chain: Chain, stage: Stage) -> Stage:
     if chain.failure.error is not None:  # failed while it was being built: nothing else stops it
         stage.stop()
     return stage
-
-
-def _after(states: dict[str, Any], replay: str, stage: str) -> list[dict[str, Any]]:
-    """A replay's batches on resume: those it had not yielded yet, then those
-    that had left `stage` (assembled, waiting) when the state was taken."""
-    return states.get(replay, {}).get("queued", []) + states.get(stage, {}).get("queued", [])
-
-
-def _pinned_batches(config: LoaderConfig) -> int:
-    """Page-locked batch blocks for the last host buffer: prefetch + the batch
-    being assembled + the consumer's + two in flight to the device (+ the
-    batches held for batch echoing). Past that the pool uses pageable memory."""
-    if not config.pin_memory:
-        return 0
-    count = config.prefetch + 4
-    if config.echo_at == "batch" and config.augment is None:
-        count += config.shuffle_buffer
-    return count

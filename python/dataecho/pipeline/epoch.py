@@ -1,7 +1,7 @@
 """One pass over the source: the iterator ``iter(EchoLoader)`` returns.
 
 The epoch reads one example to learn the structure if it is not known yet,
-has :func:`dataecho.pipeline.chain.build_chain` start the stages, then pulls batches
+has :func:`dataecho.pipeline.chain.build_chain` start the stages of its plan, then pulls batches
 from the last stage, timing the waits. It stops and joins the stages, last to
 first, at the end, on an error, on ``close()``, or when it is dropped (a loop
 left early). Its state for a checkpoint is ``{stage name: stage.state()}``.
@@ -14,11 +14,11 @@ import time
 import warnings
 from typing import Any, Callable
 
-from ..config.loader_config import LoaderConfig
 from ..examples.leaves import leaf_to_torch, padded_leaves, row_of
 from ..examples.structure import Structure
 from ..reading.source import EpochSource
-from .chain import JOIN_TIMEOUT_S, Chain, build_chain, checkpoint_mode
+from .chain import JOIN_TIMEOUT_S, Chain, build_chain
+from .plan import Plan
 from .stage import Batch, weakly
 
 __all__ = ["Epoch"]
@@ -28,7 +28,7 @@ class Epoch:
     """An epoch's stages and its consumer side.
 
     Args:
-        config: the loader's configuration.
+        plan: the loader's plan (dataecho.pipeline.plan).
         epoch: the epoch number.
         structure: the examples' structure if known (from an earlier epoch), else None.
         resume: {stage name: state} from a checkpoint, or None.
@@ -46,31 +46,32 @@ class Epoch:
         stages: the chain's stages, first to last (empty for an empty epoch).
     """
 
-    def __init__(self, config: LoaderConfig, epoch: int, structure: Structure | None,
+    def __init__(self, plan: Plan, epoch: int, structure: Structure | None,
                  resume: dict[str, Any] | None, on_finish: Callable[[dict, list], None], owner: Any = None,
                  pool: Any = None, memory: Any = None) -> None:
         self.epoch = epoch
         self._owner = owner
-        self._config, self._on_finish = config, on_finish
+        self._spec, self._on_finish = plan.output, on_finish
         self._closed = False
         self._state = "running"  # then "complete", "stopped" or "failed" (see dataecho.pipeline.stats)
         self._superseded = False  # ended by a later iter(loader): its next() says so
         self._consumer = threading.Lock()
         self._started = time.perf_counter()
         self._wait_s, self._delivered, self._batches = 0.0, 0, 0
-        self._chain = Chain(mode=checkpoint_mode(config))
-        skip = (resume or {}).get("intake", {}).get("skip", 0) if not config.map_style else 0
-        source = EpochSource(config, epoch, skip, pool, memory)
+        self._chain = Chain(mode=plan.checkpoint)
+        map_style = plan.source.order is not None
+        skip = (resume or {}).get("intake", {}).get("skip", 0) if not map_style else 0
+        source = EpochSource(plan.source, epoch, skip, pool, memory)
         try:
             first: list[Any] = []
             if structure is None:
                 first = source.first()
-                declared = set(config.ragged or ()) | source.declared_ragged()
+                declared = set(plan.output.declared_ragged) | source.declared_ragged()
                 structure = None if not first else Structure.infer(first[0], first[1:], declared,
-                                                                   strict=config.augment is None)
+                                                                   strict=plan.output.strict)
             self.structure = structure
             if structure is not None:
-                build_chain(self._chain, config, structure, source, first, resume, weakly(self.abort))
+                build_chain(self._chain, plan, structure, source, first, resume, weakly(self.abort))
         except BaseException:
             self.close()
             raise
@@ -126,7 +127,7 @@ class Epoch:
     def _next_batch(self) -> Batch:
         if self._closed or not self._chain.stages:
             raise StopIteration
-        timeout = self._config.timeout
+        timeout = self._spec.timeout_s
         try:
             return self._chain.stages[-1].next(timeout)
         except TimeoutError:
@@ -136,18 +137,16 @@ class Epoch:
                                f"waiting for a batch") from None
 
     def _output(self, batch: Batch) -> Any:
-        wrap = None
-        config = self._config
-        if config.output == "torch" and config.device is None:
-            wrap = leaf_to_torch
-        if config.collate_fn is not None:
+        output = self._spec
+        wrap = leaf_to_torch if output.to_torch else None
+        if output.collate_fn is not None:
             # Each example as views of its rows of the batch (no copy), in the batch's order.
             examples = [batch.structure.unflatten([row_of(a, i) for a in batch.arrays], wrap=wrap)
                         for i in range(len(batch))]
-            return config.collate_fn(examples)
+            return output.collate_fn(examples)
         leaves = batch.arrays
-        if config.padding is not None and config.device is None:
-            leaves = padded_leaves(leaves, config.padding)
+        if output.padding is not None:
+            leaves = padded_leaves(leaves, output.padding)
         return batch.structure.unflatten(leaves, wrap=wrap)
 
     # ---- checkpoints and counters ----
@@ -166,17 +165,23 @@ class Epoch:
         with chain.pull_lock:  # no batch is half-way between two stages meanwhile
             return {stage.name: stage.state() for stage in stages}
 
-    def counters(self) -> dict[str, float]:
-        first = self._chain.stages[0].counters() if self._chain.stages else {}
+    def counters(self) -> dict[str, Any]:
+        """This epoch's counters (see dataecho.pipeline.stats), from every stage."""
+        stages: dict[str, Any] = {}
+        for stage in self._chain.stages:
+            stages.update(stage.counters())
         return {
             "epoch": self.epoch,
             "state": self._state,
-            "fresh": first.get("fresh", 0),
+            "fresh": stages.get("fresh", 0),
             "delivered": self._delivered,
             "batches": self._batches,
+            "fresh_batches": stages.get("fresh_batches", 0),
+            "delivered_batches": stages.get("delivered_batches", 0),
+            "augmented": stages.get("augmented", 0),
             "wait_s": self._wait_s,
             "active_s": time.perf_counter() - self._started,
-            "memory": first.get("memory"),
+            "memory": stages.get("memory"),
         }
 
     def worker_counters(self) -> list[dict[str, float]]:
@@ -209,7 +214,7 @@ class Epoch:
             return
         self._closed = True
         self._state = state
-        if self._config.deterministic and any(s.counters().get("starved") for s in self._chain.stages):
+        if self._spec.warn_starved and any(s.counters().get("starved") for s in self._chain.stages):
             warnings.warn("EchoLoader: the memory budget for ragged values ran out this epoch (producers waited "
                           "for it), so some batches were drawn from fewer examples than planned and their order "
                           "depended on timing, despite deterministic=True; raise ragged_bytes", RuntimeWarning,

@@ -1,117 +1,153 @@
-"""The first stage of an epoch: the source, its producers (threads or worker
-processes) and the echo buffer they fill.
+"""The first stage of an epoch: the source, its producers (threads, worker
+processes, or the consumer's own thread) and the echo buffer they fill.
 
 Example echoing happens in the echo buffer itself; with ``echo_at="batch"`` it
 shuffles examples with factor 1 and the batch echo stage repeats its batches.
+
+Its state (map-style sources read in a deterministic order): the echo
+buffer's batch counter ``batches``, RNG counter ``rng_state``, intake position
+``next_seq`` (every position of the epoch's order below it was read),
+``available``; each resident example's position, dataset index and remaining
+echo count (``positions``, ``indices``, ``echoes``), in reservoir order;
+``queued``: the batches assembled but not yet taken (and, once resumed, those
+restored and not yet yielded); ``ended``. An iterable source read by threads:
+``skip``, the examples taken from the iterator; on resume the source is
+iterated again from its start and these are dropped (resident examples are not
+restored).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
 from .. import _core
-from ..config.loader_config import DEFAULT_EXAMPLES, LoaderConfig
 from ..examples.structure import Structure
 from ..native.buffer import NativeBuffer
 from ..native.sizing import buffer_config, ragged_heap
-from ..reading.source import EpochSource
+from ..reading.source import EpochSource, SourceSpec
 from ..tensors.pinned import pin_batch_memory
 from ..workers.failure import Failure
 from ..workers.inline import INLINE_WAIT_S, InlineReader
 from ..workers.processes import PROCESS_GRACE_S, ProcessProducers
+from ..workers.spec import WorkersSpec
 from ..workers.threads import Producers
+from . import checkpoint
 from .stage import Batch
 
-__all__ = ["IntakeStage"]
+__all__ = ["IntakeSpec", "IntakeStage", "check_state"]
 
 _SNAPSHOT_KEYS = ("batches", "rng_state", "next_seq", "available")
+
+
+@dataclass(frozen=True)
+class IntakeSpec:
+    """What the intake needs (built by dataecho.pipeline.plan).
+
+    Attributes:
+        source, workers: what is read, and who reads it.
+        capacity: the echo buffer's slots; ``bounded``: no more than the
+            epoch's examples (map-style), with room for a reorder window.
+        batch_size, echo_factor, auto_echo, max_echo, drop_last, prefetch,
+            initial, deterministic, exact_echo, in_order: the echo buffer's
+            settings (see ``_core.BufferConfig``).
+        ragged_bytes: the page heap's budget for ragged values, or None (sized
+            from the first examples).
+        exact: rows carry their positions: a state names every example.
+        unresumable: why no state can be taken mid-epoch, or None.
+        pinned_batches: page-locked batch blocks for the echo buffer (0: none).
+    """
+
+    source: SourceSpec
+    workers: WorkersSpec
+    capacity: int
+    bounded: bool
+    batch_size: int
+    echo_factor: float
+    auto_echo: bool
+    max_echo: float
+    drop_last: bool
+    prefetch: int
+    initial: int
+    deterministic: bool
+    exact_echo: bool
+    in_order: bool
+    ragged_bytes: int | None
+    exact: bool
+    unresumable: str | None
+    pinned_batches: int
 
 
 class IntakeStage:
     """Reads the source into the echo buffer; yields the buffer's batches.
 
     Args:
-        config: the loader's configuration.
+        spec: the stage's settings.
         source: this epoch's view of the source.
         structure: the examples' structure.
         first: the examples read (transformed) to learn the structure, or none;
             they are put first, numbered 0, 1, ...
         failure, on_failure: where a producer's exception goes, and what stops the epoch.
         resume: this stage's state from a checkpoint, or None.
-        pinned_batches: page-locked batch blocks to give the echo buffer (0: none).
     """
 
     name = "intake"
 
-    def __init__(self, config: LoaderConfig, source: EpochSource, structure: Structure, first: list[Any],
-                 failure: Failure, on_failure: Callable[[], None], resume: dict[str, Any] | None = None,
-                 pinned_batches: int = 0) -> None:
-        self._config, self._source, self.structure = config, source, structure
-        self.unresumable = _unresumable(config)
-        self._exact = config.map_style and config.deterministic
-        self._skipped = resume.get("skip", 0) if resume and not config.map_style else 0
+    def __init__(self, spec: IntakeSpec, source: EpochSource, structure: Structure, first: list[Any],
+                 failure: Failure, on_failure: Callable[[], None], resume: dict[str, Any] | None = None) -> None:
+        self._spec, self._source, self.structure = spec, source, structure
+        self.unresumable = spec.unresumable
+        self._map_style = source.order is not None
+        self._skipped = resume.get("skip", 0) if resume and not self._map_style else 0
+        # Batches that had left the buffer when the state was taken: yielded first.
+        self._replay: deque[dict[str, np.ndarray]] = deque(resume.get("queued", []) if resume else [])
         self._buffer: NativeBuffer | None = None
         self._producers: Producers | ProcessProducers | InlineReader | None = None
         if resume is not None and resume.get("ended"):
-            return  # nothing more to assemble: only the queued batches, replayed downstream
-        objects = "pickle" if config.worker_type == "process" else "key"
-        self._buffer = NativeBuffer(structure.fields(), self._buffer_config(objects),
-                                    _restore_snapshot(resume) if self._exact and resume else None,
-                                    source.memory if config.worker_type == "thread" else None, objects)
+            return  # nothing more to assemble: only the queued batches
+        shared = spec.workers.kind == "process"
+        objects = "pickle" if shared else "key"
+        self._buffer = NativeBuffer(structure.fields(), self._buffer_config(objects, shared),
+                                    _restore_snapshot(resume) if spec.exact and resume else None,
+                                    None if shared else source.memory, objects)
         try:
-            if pinned_batches:
-                pin_batch_memory(self._buffer, pinned_batches)
+            if spec.pinned_batches:
+                pin_batch_memory(self._buffer, spec.pinned_batches)
             self._start(first, resume, failure, on_failure)
         except BaseException:
             self.stop()  # not in the chain yet: nothing else would stop its threads
             self.join(0.0)
             raise
 
-    def _buffer_config(self, objects: str) -> _core.BufferConfig:
-        config = self._config
-        per_example = config.echo_at == "example"
-        auto = per_example and config.echo_factor == "auto"
-        if per_example:
-            capacity = config.shuffle_buffer
-        elif config.map_style:
-            # Batch echoing over an index order that is already a new permutation
-            # each epoch (the sampler's): batch it as it comes, as DataLoader
-            # does. A larger shuffle here would only delay the echoes: the
-            # reservoir grows by one example per delivery, at one more fresh read.
-            capacity = 2 * config.batch_size
-        else:
-            capacity = max(2 * config.batch_size, DEFAULT_EXAMPLES)
-        if config.map_style:  # no more slots than the epoch has examples (with room for the reorder window)
-            capacity = min(capacity, max(len(self._source), 2 * config.batch_size))
-        pages, page_bytes = ragged_heap(self.structure, capacity, config.ragged_bytes, objects)
+    def _buffer_config(self, objects: str, shared: bool) -> _core.BufferConfig:
+        spec = self._spec
+        capacity = spec.capacity
+        if spec.bounded:  # no more slots than the epoch has examples (with room for the reorder window)
+            capacity = min(capacity, max(len(self._source), 2 * spec.batch_size))
+        pages, page_bytes = ragged_heap(self.structure, capacity, spec.ragged_bytes, objects)
         return buffer_config(
-            capacity=capacity, pages=pages, page_bytes=page_bytes,
-            batch_size=config.batch_size, echo_factor=float(config.echo_factor) if per_example and not auto else 1.0,
-            auto_echo=auto, max_echo=config.max_echo, seed=self._source.seeds[2],
-            # With augment, its output buffer decides what a short last batch means.
-            drop_last=config.drop_last and config.augment is None, prefetch=config.prefetch,
-            # Batch echoing: batches flow from the first one on; the example
-            # shuffle behind them still grows to its capacity.
-            initial=0 if per_example else config.batch_size,
-            shared=config.worker_type == "process", deterministic=config.deterministic,
-            exact_echo=config.exact_echo and per_example, in_order=config.in_order,
+            capacity=capacity, pages=pages, page_bytes=page_bytes, batch_size=spec.batch_size,
+            echo_factor=spec.echo_factor, auto_echo=spec.auto_echo, max_echo=spec.max_echo,
+            seed=self._source.seeds[2], drop_last=spec.drop_last, prefetch=spec.prefetch, initial=spec.initial,
+            shared=shared, deterministic=spec.deterministic, exact_echo=spec.exact_echo, in_order=spec.in_order,
         )
 
     def _start(self, first: list[Any], resume: dict[str, Any] | None, failure: Failure,
                on_failure: Callable[[], None]) -> None:
-        config, buffer, source = self._config, self._buffer, self._source
-        if (config.map_style and resume is not None) or not (config.map_style or config.worker_type == "thread"):
+        spec, buffer, source, map_style = self._spec, self._buffer, self._source, self._map_style
+        if (map_style and resume is not None) or not (map_style or spec.workers.kind != "process"):
             first = []  # they only told the structure (the order resumes; worker processes read their own shards)
         # The first examples go in while they fit at once: this thread must not
         # wait on a buffer whose batches nobody takes yet. The rest are put by
         # the producers, who read the positions after them (map-style) or take
         # them before the iterator's next (iterables).
         start = self._put_first(first)
-        if config.map_style:
+        if map_style:
             if resume is not None:
                 start = resume["next_seq"]
             # Positions of the order are claimed by producers (threads or
@@ -120,14 +156,14 @@ class IntakeStage:
             buffer.set_index_range(start, len(source))
             if resume is not None:
                 self._put_resident(resume["positions"])
-        ready = [] if config.map_style else first[start:]
-        if config.workers == 0:
+        ready = [] if map_style else first[start:]
+        if spec.workers.kind == "inline":
             self._producers = InlineReader(buffer, self.structure, source, first_seq=start, ready=ready)
-        elif config.worker_type == "process":
-            self._producers = ProcessProducers(buffer, self.structure, source, config, failure, on_failure,
+        elif spec.workers.kind == "process":
+            self._producers = ProcessProducers(buffer, self.structure, source, spec.workers, failure, on_failure,
                                                source.pool)
         else:
-            self._producers = Producers(buffer, self.structure, source, config, failure, on_failure)
+            self._producers = Producers(buffer, self.structure, source, spec.workers, failure, on_failure)
             self._producers.start(first_seq=start, ready=ready)
 
     def _put_first(self, first: list[Any]) -> int:
@@ -147,20 +183,22 @@ class IntakeStage:
         if not positions:
             return
         structure, source = self.structure, self._source
-        with ThreadPoolExecutor(max_workers=min(max(1, self._config.workers), len(positions))) as pool:
+        with ThreadPoolExecutor(max_workers=min(self._spec.workers.count, len(positions))) as pool:
             for position, example in zip(positions, pool.map(source.read, positions)):
                 self._buffer.put_values(structure.flatten(example), seq=position)
 
     # ---- the stage ----
 
     def next(self, timeout_s: float | None = None) -> Batch:
+        if self._replay:
+            return self.read_batch(self._replay.popleft())
         if self._buffer is None:
             raise StopIteration
         if isinstance(self._producers, InlineReader):
             arrays = self._read_inline(timeout_s)
         else:
             arrays = self._buffer.next_arrays(timeout_s)
-        return Batch(self.structure, arrays, self._buffer.last_seqs if self._exact else None)
+        return Batch(self.structure, arrays, self._buffer.last_seqs if self._spec.exact else None)
 
     def _read_inline(self, timeout_s: float | None) -> tuple[np.ndarray, ...]:
         """workers=0: a ready batch, else read in this thread until a put cannot
@@ -207,13 +245,14 @@ class IntakeStage:
     def state(self) -> dict[str, Any] | None:
         if self.unresumable is not None:
             return None
-        if not self._config.map_style:
+        if not self._map_style:
             return {"skip": self._skipped + self.counters()["fresh"]}
+        replayed = list(self._replay)
         if self._buffer is None:  # resumed after the end: nothing resident, every position read
             empty = np.zeros(0, dtype=np.uint64)
             return {"batches": 0, "rng_state": 0, "next_seq": len(self._source), "available": 0,
                     "positions": empty, "indices": empty.astype(np.int64), "echoes": empty.astype(np.uint32),
-                    "queued": [], "ended": True}
+                    "queued": replayed, "ended": True}
         snap = self._buffer.snapshot()
         state = {key: int(getattr(snap, key)) for key in _SNAPSHOT_KEYS}
         positions = snap.seqs
@@ -221,7 +260,7 @@ class IntakeStage:
             positions=positions,
             indices=np.asarray(self._source.order, dtype=np.int64)[positions.astype(np.int64)],
             echoes=snap.echoes,
-            queued=[{"rows": rows} for rows in snap.queued],
+            queued=replayed + [{"rows": rows} for rows in snap.queued],
             ended=bool(snap.ended),
         )
         return state
@@ -241,20 +280,37 @@ class IntakeStage:
         }
 
 
-def _unresumable(config: LoaderConfig) -> str | None:
-    if not config.map_style:
-        if config.worker_type == "process":
-            return ("worker processes each read their own shard of an iterable source, so there is no "
-                    "single position to skip to; use a map-style source")
-        return None
-    if not config.deterministic:
-        return "saving a position mid-epoch needs deterministic=True (otherwise the order depends on thread timing)"
-    return None
-
-
 def _restore_snapshot(state: dict[str, Any]) -> _core.Snapshot:
     snap = _core.Snapshot()
     for key in _SNAPSHOT_KEYS:
         setattr(snap, key, state[key])
     snap.seqs, snap.echoes = state["positions"], state["echoes"]
     return snap
+
+
+def check_state(state: dict, order: np.ndarray, where: str) -> dict[str, Any]:
+    """This stage's saved state, checked against the epoch's order and normalized.
+
+    Raises:
+        ValueError: a state this stage could not have saved, naming the key.
+    """
+    checked: dict[str, Any] = {key: checkpoint.int_at(state, key, where) for key in _SNAPSHOT_KEYS}
+    checked["ended"] = checkpoint.bool_at(state, "ended", where)
+    positions = checkpoint.array_at(state, "positions", np.uint64, where)
+    echoes = checkpoint.array_at(state, "echoes", np.uint32, where)
+    indices = checkpoint.array_at(state, "indices", np.int64, where)
+    if not (len(positions) == len(echoes) == len(indices)):
+        raise ValueError(f"{where}: positions, indices and echoes differ in length")
+    if (len(positions) and positions.max() >= checked["next_seq"]) or checked["next_seq"] > len(order):
+        raise ValueError(f"{where}: positions beyond the epoch's order")
+    if len(np.unique(positions)) != len(positions):
+        raise ValueError(f"{where}['positions']: a resident example is listed twice")
+    if not np.array_equal(order[positions.astype(np.int64)], indices):
+        raise ValueError(f"{where}: the resident examples' indices do not match this epoch's order")
+    if len(echoes) and echoes.min() == 0:
+        raise ValueError(f"{where}['echoes']: every resident example has an echo left")
+    if checked["available"] > len(positions):
+        raise ValueError(f"{where}['available']: more than the resident examples")
+    checked.update(positions=positions, echoes=echoes, indices=indices,
+                   queued=checkpoint.batches_at(state, "queued", order, where))
+    return checked

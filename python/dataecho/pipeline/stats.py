@@ -12,8 +12,7 @@ __all__ = ["Totals", "logger"]
 logger = logging.getLogger("dataecho")
 logger.addHandler(logging.NullHandler())  # a library prints nothing unless asked
 
-_SUMMED = ("fresh", "delivered", "batches", "wait_s", "active_s")
-_RATES = ("echo_factor_achieved", "upstream_examples_per_s", "consumer_wait_fraction")
+_SUMMED = ("fresh", "delivered", "batches", "fresh_batches", "delivered_batches", "augmented", "wait_s", "active_s")
 
 
 def _figures(counters: dict[str, float]) -> dict[str, Any]:
@@ -23,6 +22,9 @@ def _figures(counters: dict[str, float]) -> dict[str, Any]:
         "fresh": fresh,
         "delivered": counters["delivered"],
         "batches": counters["batches"],
+        "fresh_batches": counters["fresh_batches"],
+        "delivered_batches": counters["delivered_batches"],
+        "augmented": counters["augmented"],
         "seconds": active,
         "echo_factor_achieved": counters["delivered"] / fresh if fresh else 0.0,
         "upstream_examples_per_s": fresh / active if active > 0 else 0.0,
@@ -58,6 +60,10 @@ class Totals:
             fresh: examples read from the source and put in the echo buffer;
             delivered: examples in the batches yielded (repeats counted);
             batches, seconds (of iteration);
+            fresh_batches, delivered_batches: with ``echo_at="batch"``, the
+            batches batch echoing took from the echo buffer, and those it
+            yielded (repeats counted); 0 otherwise;
+            augmented: examples handed to ``augment`` (every repeat; 0 without);
             echo_factor_achieved: delivered / fresh;
             upstream_examples_per_s: fresh examples per second of iteration;
             consumer_wait_fraction: share of iteration time spent waiting in next();

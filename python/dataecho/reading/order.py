@@ -9,14 +9,14 @@ as in DataLoader, a sampler (``DistributedSampler``, say) decides.
 
 from __future__ import annotations
 
-import math
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ..config.loader_config import LoaderConfig
+from .sharding import Shard
 
-__all__ = ["LoaderSampler", "batches_per_epoch", "epoch_order", "examples_per_epoch", "order_seed"]
+__all__ = ["LoaderSampler", "OrderSpec", "order_seed"]
 
 
 def order_seed(seed: int, epoch: int) -> int:
@@ -24,60 +24,52 @@ def order_seed(seed: int, epoch: int) -> int:
     return int(np.random.SeedSequence([seed, epoch]).generate_state(1, dtype=np.uint64)[0])
 
 
-def epoch_order(config: LoaderConfig, epoch: int) -> np.ndarray:
-    """The dataset indices read in `epoch`, in reading order.
+@dataclass(frozen=True)
+class OrderSpec:
+    """What decides a map-style source's reading order.
 
-    Raises:
-        TypeError, IndexError: a sampler that yields something else than
-            indices of the dataset.
+    Attributes:
+        dataset: the map-style source (its length is read each epoch).
+        sampler: an iterable of indices that decides the order, or None.
+        shard: this rank's part of the dataset (without a sampler).
+        shuffle: permute the dataset each epoch (without a sampler).
+        seed: seeds the permutations; the same on every rank.
+        drop_last: a shard drops the tail that does not divide evenly, instead of padding.
     """
-    length = len(config.source)
-    if config.sampler is None:
-        return config.shard.order(length, config.shuffle, order_seed(config.seed, epoch), config.drop_last)
-    try:
-        order = np.fromiter((int(i) for i in config.sampler), dtype=np.int64)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"sampler: expected it to yield int indices ({exc})") from None
-    if len(order) and (order.min() < 0 or order.max() >= length):
-        bad = order[(order < 0) | (order >= length)][0]
-        raise IndexError(f"sampler: yielded index {bad}, outside the dataset's {length} examples")
-    return order
 
+    dataset: Any
+    sampler: Any
+    shard: Shard
+    shuffle: bool
+    seed: int
+    drop_last: bool
 
-def examples_per_epoch(config: LoaderConfig) -> int:
-    """Examples this rank reads per epoch (map-style sources)."""
-    if config.sampler is not None:
-        if not hasattr(config.sampler, "__len__"):
-            raise TypeError("len(): the sampler has no len()")
-        return len(config.sampler)
-    return config.shard.per_rank(len(config.source), config.drop_last)
+    def order(self, epoch: int) -> np.ndarray:
+        """The dataset indices read in ``epoch``, in reading order.
 
+        Raises:
+            TypeError, IndexError: a sampler that yields something else than
+                indices of the dataset.
+        """
+        length = len(self.dataset)
+        if self.sampler is None:
+            return self.shard.order(length, self.shuffle, order_seed(self.seed, epoch), self.drop_last)
+        try:
+            order = np.fromiter((int(i) for i in self.sampler), dtype=np.int64)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"sampler: expected it to yield int indices ({exc})") from None
+        if len(order) and (order.min() < 0 or order.max() >= length):
+            bad = order[(order < 0) | (order >= length)][0]
+            raise IndexError(f"sampler: yielded index {bad}, outside the dataset's {length} examples")
+        return order
 
-def exact_deliveries(count: int, echo: float) -> int:
-    """Deliveries of `count` items with exact echo counts: floor(e) each, and one
-    more for floor(count * f) of them (f = e - floor(e))."""
-    whole = math.floor(echo)
-    return count * whole + math.floor(count * (echo - whole))
-
-
-def batches_per_epoch(config: LoaderConfig) -> int:
-    """``len(loader)``: batches per epoch on this rank, for a map-style source and
-    a fixed echo factor: integer, or fractional with exact echo counts
-    (``deterministic=True`` or several ranks).
-
-    Raises:
-        TypeError: an iterable source, or a number of batches that is random.
-    """
-    if not config.map_style:
-        raise TypeError("len(): the source is an iterable of unknown length")
-    fixed = config.echo_factor != "auto" and (float(config.echo_factor).is_integer() or config.exact_echo)
-    if not fixed:
-        raise TypeError("len(): the number of batches is random with a fractional or 'auto' echo factor")
-    rounding = math.floor if config.drop_last else math.ceil
-    examples = examples_per_epoch(config)
-    if config.echo_at == "batch":
-        return exact_deliveries(rounding(examples / config.batch_size), float(config.echo_factor))
-    return rounding(exact_deliveries(examples, float(config.echo_factor)) / config.batch_size)
+    def examples_per_epoch(self) -> int:
+        """Examples this rank reads per epoch."""
+        if self.sampler is not None:
+            if not hasattr(self.sampler, "__len__"):
+                raise TypeError("len(): the sampler has no len()")
+            return len(self.sampler)
+        return self.shard.per_rank(len(self.dataset), self.drop_last)
 
 
 class LoaderSampler:
@@ -86,24 +78,29 @@ class LoaderSampler:
     Lightning call on a loader's sampler) forwarded to the loader.
 
     Iterating it gives the indices the next epoch reads (map-style sources).
+
+    Args:
+        order: the loader's order, or None for an iterable source.
+        next_epoch: the number of the epoch the loader starts next.
+        set_epoch: the loader's ``set_epoch``.
     """
 
-    def __init__(self, loader: Any) -> None:
-        self._loader = loader
+    def __init__(self, order: OrderSpec | None, next_epoch: Callable[[], int],
+                 set_epoch: Callable[[int], None]) -> None:
+        self._order, self._next_epoch, self._set_epoch = order, next_epoch, set_epoch
 
     def set_epoch(self, epoch: int) -> None:
-        self._loader.set_epoch(epoch)
+        self._set_epoch(epoch)
 
     def __iter__(self) -> Iterator[int]:
-        config = self._loader.config
-        if not config.map_style:
+        if self._order is None:
             raise TypeError("sampler: an iterable source has no order of indices")
-        return iter(epoch_order(config, self._loader.next_epoch).tolist())
+        return iter(self._order.order(self._next_epoch()).tolist())
 
     def __len__(self) -> int:
-        if not self._loader.config.map_style:
+        if self._order is None:
             raise TypeError("len(): an iterable source has no length")
-        return examples_per_epoch(self._loader.config)
+        return self._order.examples_per_epoch()
 
     def __repr__(self) -> str:
-        return f"LoaderSampler(epoch={self._loader.next_epoch})"
+        return f"LoaderSampler(epoch={self._next_epoch()})"

@@ -11,35 +11,63 @@ from __future__ import annotations
 
 import itertools
 import pickle
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ..config.loader_config import LoaderConfig
 from ..errors import stop_iteration_error
-from .order import epoch_order
 from ..examples.leaves import stack
 from ..examples.structure import Structure
+from .chunking import CHUNK
+from .order import OrderSpec
 from .readers import map_reader
 
-__all__ = ["SAMPLE", "EpochSource", "Pickled"]
+__all__ = ["SAMPLE", "EpochSource", "Pickled", "SourceSpec", "is_map_style"]
 
-NOTHING = object()
 SAMPLE = 8  # examples read first, to learn the structure (which leaves vary in length)
+
+
+def is_map_style(source: Any) -> bool:
+    """A dataset read by index: ``__len__`` and ``__getitem__`` (not a str or bytes)."""
+    return hasattr(source, "__len__") and hasattr(source, "__getitem__") and not isinstance(source, (str, bytes))
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """What an epoch's source needs to know.
+
+    Attributes:
+        dataset: the map-style dataset or the iterable.
+        transform: per-example function run by the producers, or None.
+        order: a map-style source's reading order; None for an iterable.
+        seed: the loader's seed (the per-epoch seeds derive from it).
+        rank: this process's rank (seeds differ per rank).
+        for_processes: worker processes read it: the dataset is pickled for them.
+        chunk: positions of a map-style order a worker claims at a time.
+    """
+
+    dataset: Any
+    transform: Callable[[Any], Any] | None
+    order: OrderSpec | None
+    seed: int
+    rank: int
+    for_processes: bool
+    chunk: int = CHUNK
 
 
 class EpochSource:
     """The source as one epoch reads it.
 
     Args:
-        config: the loader's configuration.
+        spec: what to read.
         epoch: the epoch number (seeds the order).
         skip: iterable sources: examples to read and drop first (a resume).
 
     Attributes:
         order: map-style: the dataset index at each position this rank reads;
             None for iterables.
-        reader: map-style: how positions of the order are read (dataecho.reading.chunking).
+        reader: map-style: how positions of the order are read (dataecho.reading.readers).
         seeds: per-rank seeds of this epoch: [unused, batch echo and workers,
             echo buffer, augment output].
         pool: the loader's WorkerPool (``persistent_workers``), or None.
@@ -49,33 +77,33 @@ class EpochSource:
             workers' copies; else (or for running persistent workers) None.
     """
 
-    def __init__(self, config: LoaderConfig, epoch: int, skip: int = 0, pool: Any = None,
+    def __init__(self, spec: SourceSpec, epoch: int, skip: int = 0, pool: Any = None,
                  memory: Any = None) -> None:
-        self.config = config
+        self.spec = spec
         self.epoch = epoch
         self.pool, self.memory = pool, memory
-        source = config.source
+        self.transform, self.chunk = spec.transform, spec.chunk
         # Persistent workers that are running have their copy: no need to pickle it again.
         kept = pool is not None and pool.running
-        self.for_workers = Pickled(source) if config.worker_type == "process" and not kept else None
+        self.for_workers = Pickled(spec.dataset) if spec.for_processes and not kept else None
         self.order: np.ndarray | None = None
         self.iterator: Iterator[Any] | None = None
         self.reader: Any = None
-        if config.map_style:
+        if spec.order is not None:
             # The same permutation on every rank (seeded by seed and epoch alone),
             # of which this rank reads its shard.
-            self.order = epoch_order(config, epoch)
-            self.reader = map_reader(source, config.transform, self.order)
+            self.order = spec.order.order(epoch)
+            self.reader = map_reader(spec.dataset, spec.transform, self.order)
         else:
-            self.iterator = itertools.islice(iter(source), skip, None) if skip else iter(source)
+            self.iterator = itertools.islice(iter(spec.dataset), skip, None) if skip else iter(spec.dataset)
         # The shuffle, echo and worker seeds differ per rank.
-        seeds = np.random.SeedSequence([config.seed, epoch, config.shard.rank]).generate_state(4, dtype=np.uint64)
+        seeds = np.random.SeedSequence([spec.seed, epoch, spec.rank]).generate_state(4, dtype=np.uint64)
         self.seeds = [int(s) for s in seeds]
 
     def pickled(self) -> Pickled:
         """``for_workers``, or the source pickled now where it was not (the
         persistent workers it was left out for have died since)."""
-        return self.for_workers if self.for_workers is not None else Pickled(self.config.source)
+        return self.for_workers if self.for_workers is not None else Pickled(self.spec.dataset)
 
     def __len__(self) -> int:
         """Positions in this epoch's order (map-style sources)."""
@@ -98,7 +126,7 @@ class EpochSource:
         return self.reader.one(position)
 
     def transformed(self, example: Any) -> Any:
-        transform = self.config.transform
+        transform = self.transform
         try:
             return example if transform is None else transform(example)
         except StopIteration as stop:

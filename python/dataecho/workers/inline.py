@@ -75,13 +75,13 @@ class InlineReader:
 
     def _positions(self) -> Iterator[Chunk]:
         columns = Columns(self._structure, self._buffer.fields, self._buffer.codec)
-        return claimed(self._buffer.claim_range, self._source.config.chunk, self._source.reader, columns)
+        return claimed(self._buffer.claim_range, self._source.chunk, self._source.reader, columns)
 
     def _iterated(self, first_seq: int, ready: list) -> Iterator[Chunk]:
         source, columns = self._source, Columns(self._structure, self._buffer.fields, self._buffer.codec)
         if ready:
             yield first_seq, len(ready), columns.of(ready)
-        transform = source.config.transform
+        transform = source.transform
         for seq, examples in chunked(source.iterator, first_seq + len(ready), blocks=transform is None):
             yield seq, len(examples), columns.of(examples if transform is None else
                                                  [source.transformed(e) for e in examples])

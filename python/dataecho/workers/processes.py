@@ -11,12 +11,11 @@ within a fraction of a second.
 from __future__ import annotations
 
 import multiprocessing
-import pickle
 import signal
 import threading
 import time
 from multiprocessing.connection import wait
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..examples.structure import Structure
 from ..native.buffer import NativeBuffer
@@ -24,12 +23,11 @@ from . import child
 from .failure import Failure
 from .pool import reap
 
-if TYPE_CHECKING:
-    from ..config.loader_config import LoaderConfig
-    from ..reading.source import EpochSource
-    from .pool import WorkerPool
+from ..reading.source import EpochSource
+from .pool import WorkerPool
+from .spec import WorkersSpec
 
-__all__ = ["PROCESS_GRACE_S", "ProcessProducers", "check_picklable", "default_start_method"]
+__all__ = ["PROCESS_GRACE_S", "ProcessProducers", "default_start_method"]
 
 _POLL_S = 0.05
 PROCESS_GRACE_S = 2.0  # a stopped worker gets this long to exit before it is terminated
@@ -38,18 +36,6 @@ PROCESS_GRACE_S = 2.0  # a stopped worker gets this long to exit before it is te
 def default_start_method() -> str:
     """forkserver where it exists (fast starts, no fork of a threaded parent), else spawn."""
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-
-
-def check_picklable(name: str, value: Any) -> None:
-    """Raises a TypeError naming ``name`` if ``value`` cannot be sent to a worker process."""
-    try:
-        pickle.dumps(value)
-    except Exception as exc:  # pickling can fail with many exception types
-        raise TypeError(
-            f"{name}: worker_type='process' sends it to worker processes, but it cannot be pickled "
-            f"({type(exc).__name__}: {exc}); define it at module level (not a lambda or a local "
-            f"function), or use worker_type='thread'"
-        ) from None
 
 
 class RemoteTraceback(Exception):
@@ -73,7 +59,7 @@ class ProcessProducers:
             workers, this rank's reading order of a map-style source (positions
             are claimed from the buffer's counter, set by the caller) or None,
             and the seed each worker's seed derives from.
-        config: the loader's configuration (``transform``, ``workers``, ``start_method``).
+        spec: how many processes, their start method and ``worker_init_fn``.
         failure, on_failure: where an error goes, and what stops the pipeline.
     """
 
@@ -82,7 +68,7 @@ class ProcessProducers:
         buffer: NativeBuffer,
         structure: Structure,
         source: EpochSource,
-        config: LoaderConfig,
+        spec: WorkersSpec,
         failure: Failure,
         on_failure: Callable[[], None],
         pool: WorkerPool | None = None,
@@ -91,7 +77,7 @@ class ProcessProducers:
         self._failure = failure
         self._on_failure = on_failure
         self._stop = threading.Event()
-        self.workers = config.workers
+        self.workers = spec.count
         self._pool = pool
         self._processes: list[Any] = []
         self._pipes: list[Any] = []
@@ -105,7 +91,7 @@ class ProcessProducers:
             else:
                 if pool is not None:
                     pool.close(0.0)  # one that failed or was stopped: nothing of it is left
-                self._start(config, structure, source)
+                self._start(spec, structure, source)
             self._monitor = threading.Thread(target=self._watch, name="dataecho-monitor", daemon=True)
             self._monitor.start()
         except BaseException:
@@ -114,9 +100,9 @@ class ProcessProducers:
             self.join()
             raise
 
-    def _start(self, config: LoaderConfig, structure: Structure, source: EpochSource) -> None:
-        context = multiprocessing.get_context(config.start_method)
-        if config.start_method == "forkserver":
+    def _start(self, spec: WorkersSpec, structure: Structure, source: EpochSource) -> None:
+        context = multiprocessing.get_context(spec.start_method)
+        if spec.start_method == "forkserver":
             context.set_forkserver_preload(["dataecho.workers.child"])
         workers, buffer = self.workers, self._buffer
         tasks: list[Any] = []
@@ -126,22 +112,22 @@ class ProcessProducers:
         # which outlives us, so watching the parent would not do.
         lifeline, self._lifeline = context.Pipe(duplex=False)
         for worker in range(workers):
-            spec = child.WorkerSpec(
+            task = child.WorkerSpec(
                 region=buffer.region_name,
                 fields=buffer.fields,
                 structure=structure,
                 source=source.pickled(),
-                transform=config.transform,
+                transform=source.transform,
                 worker_id=worker,
                 num_workers=workers,
                 seed=(source.seeds[1] + 7919 * (worker + 1)) % (1 << 63),
                 map_style=source.order is not None,
                 order=source.order,
-                worker_init_fn=config.worker_init_fn,
-                chunk=config.chunk,
+                worker_init_fn=spec.worker_init_fn,
+                chunk=source.chunk,
             )
             receiver, sender = context.Pipe(duplex=False)
-            args: tuple = (spec, sender, lifeline)
+            args: tuple = (task, sender, lifeline)
             if self._pool is not None:  # persistent: later epochs come over a task pipe
                 task_reader, task_writer = context.Pipe(duplex=False)
                 args, tasks = (*args, task_reader), [*tasks, task_writer]

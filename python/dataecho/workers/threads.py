@@ -13,18 +13,16 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from ..errors import BufferClosed
 from ..examples.columns import Columns
 from ..examples.structure import Structure
 from ..native.buffer import NativeBuffer
 from ..reading.chunking import chunked, claimed
+from ..reading.source import EpochSource
 from .failure import Failure
-
-if TYPE_CHECKING:
-    from ..config.loader_config import LoaderConfig
-    from ..reading.source import EpochSource
+from .spec import WorkersSpec
 
 __all__ = ["AUTO_THREADS", "Producers"]
 
@@ -40,7 +38,7 @@ class Producers:
         buffer: where examples go; closed when the source is exhausted.
         structure: checks and flattens each example.
         source: this epoch's view of the source (order or iterator).
-        config: the loader's configuration (``transform``, ``workers``).
+        spec: how many threads, and ``worker_init_fn``.
         failure: where the first exception goes; ``on_failure`` is then called.
         on_failure: stops the pipeline (aborts its buffers).
     """
@@ -50,17 +48,17 @@ class Producers:
         buffer: NativeBuffer,
         structure: Structure,
         source: EpochSource,
-        config: LoaderConfig,
+        spec: WorkersSpec,
         failure: Failure,
         on_failure: Callable[[], None],
     ) -> None:
         self._buffer = buffer
         self._structure = structure
         self._source = source
-        self._transform = config.transform
-        self._worker_init_fn = config.worker_init_fn
-        self._workers = config.workers
-        self._auto_limit = AUTO_THREADS if config.auto_workers else 1
+        self._transform = source.transform
+        self._worker_init_fn = spec.worker_init_fn
+        self._workers = spec.count
+        self._auto_limit = AUTO_THREADS if spec.auto else 1
         self._failure = failure
         self._on_failure = on_failure
         self._threads: list[threading.Thread] = []
@@ -153,7 +151,7 @@ class Producers:
         counter = self._counters.setdefault(threading.current_thread(), [0, 0.0])
         first_worker = threading.current_thread() is self._threads[0]
         started, cpu = time.perf_counter(), time.thread_time()
-        for seq, rows, read in claimed(buffer.claim_range, self._source.config.chunk, self._source.reader,
+        for seq, rows, read in claimed(buffer.claim_range, self._source.chunk, self._source.reader,
                                        self._columns):
             busy = time.perf_counter() - started
             counter[1] += busy

@@ -1,52 +1,81 @@
-"""The device copy: the last stage when ``device`` is given. Each batch is
-copied to the device on a side stream one batch ahead, so that the copy
-overlaps the training step (see :class:`dataecho.pipeline.device_copy.DeviceMover`).
+"""The last stage: batches on their way out of the pipeline. With ``device``,
+each batch is copied to the device on a side stream one batch ahead, so that
+the copy overlaps the training step (see
+:class:`dataecho.pipeline.device_copy.DeviceMover`); without one, batches pass
+through as they are.
 
 A ragged leaf travels as its values and offsets and becomes a jagged nested
 tensor on the device (or, with ``padding``, is padded on the host first); a
 list of objects stays on the host and is handed out with its batch.
+
+Its state: ``in_flight``, the batches taken from upstream and not yet handed
+out (on their way to the device), oldest first. A resumed stage reads them
+again and hands them out first, with a device or without one.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
 
 from ..examples.leaves import leaf_to_torch, padded_leaves
 from ..examples.ragged import Padded, Ragged
 from ..tensors.nested import nested_from_packed
+from . import checkpoint
 from .device_copy import DeviceMover
 from .stage import Batch, Stage
 
-__all__ = ["DeviceStage"]
+__all__ = ["DeliverySpec", "DeliveryStage", "check_state"]
 
 _AHEAD = 2  # batches in flight: the one handed out and the next
 
 
-class DeviceStage:
-    """Host batches in, device tensors out.
-
-    Args:
-        upstream: the stage whose (host) batches are copied.
-        device: the torch device.
+@dataclass(frozen=True)
+class DeliverySpec:
+    """Attributes:
+        device: the torch device batches are copied to, or None (host batches).
+        padding: with a device: ragged leaves are padded on the host first.
     """
 
-    name = "device"
+    device: Any
+    padding: int | str | None = None
+
+
+class DeliveryStage:
+    """Host batches in; device tensors out (or the host batches, without a device).
+
+    Args:
+        spec: the stage's settings.
+        upstream: the stage whose (host) batches are handed out.
+        resume: this stage's state from a checkpoint, or None.
+        read_batch: reads a batch again from its ids (for ``resume``).
+    """
+
+    name = "delivery"
     unresumable = None
 
-    def __init__(self, upstream: Stage, device: Any, padding: int | str | None = None) -> None:
+    def __init__(self, spec: DeliverySpec, upstream: Stage, resume: dict[str, Any] | None = None,
+                 read_batch: Callable[[dict[str, np.ndarray]], Batch] | None = None) -> None:
         self._upstream = upstream
-        self._mover = DeviceMover(device)
-        self._padding = padding
+        self._mover = DeviceMover(spec.device) if spec.device is not None else None
+        self._padding = spec.padding
+        # Restored from a checkpoint: batches that were on their way out, handed out first.
+        self._replay: deque[dict[str, np.ndarray]] = deque(resume["in_flight"] if resume else [])
+        self._read_batch = read_batch
         # Submitted, not yet handed out: each batch's ids, and its leaves' kinds
         # with what stays on the host (objects, nested tensors' row bounds).
         self._in_flight: deque[tuple[Batch, list]] = deque()
         self._exhausted = False
 
     def next(self, timeout_s: float | None = None) -> Batch:
+        if self._mover is None:
+            return self._take(timeout_s)
         while not self._exhausted and len(self._mover) < _AHEAD:
             try:
-                batch = self._upstream.next(timeout_s)
+                batch = self._take(timeout_s)
             except StopIteration:
                 self._exhausted = True
                 break
@@ -63,19 +92,35 @@ class DeviceStage:
         leaves = tuple(extra if kind == "object" else _device(kind, next(moved), extra) for kind, extra in kept)
         return Batch(taken.structure, leaves, taken.rows, taken.deliveries)
 
+    def _take(self, timeout_s: float | None) -> Batch:
+        """The next host batch: a restored one first, then the upstream's."""
+        if self._replay:
+            return self._read_batch(self._replay.popleft())
+        return self._upstream.next(timeout_s)
+
     def stop(self) -> None:
         pass  # the mover is the consumer's: join() closes it, in the consumer's thread
 
     def join(self, timeout_s: float) -> None:
         """Waits for the copies in flight and gives their host memory back."""
-        self._mover.close()
+        if self._mover is not None:
+            self._mover.close()
 
     def state(self) -> dict[str, Any]:
         """The batches taken from upstream and not yet handed out, oldest first."""
-        return {"in_flight": [batch.ids() for batch, _ in self._in_flight]}
+        return {"in_flight": [batch.ids() for batch, _ in self._in_flight] + list(self._replay)}
 
     def counters(self) -> dict[str, Any]:
-        return {"in_flight": len(self._in_flight)}
+        return {}
+
+
+def check_state(state: dict, order: np.ndarray, where: str) -> dict[str, Any]:
+    """This stage's saved state, checked against the epoch's order and normalized.
+
+    Raises:
+        ValueError: a state this stage could not have saved, naming the key.
+    """
+    return {"in_flight": checkpoint.batches_at(state, "in_flight", order, where, deliveries=None)}
 
 
 def _host(leaf: Any) -> tuple[str, Any, Any]:

@@ -1,0 +1,71 @@
+"""The echo setting: how many times each example (or batch) is delivered, and
+where. Decoded once from ``echo_factor``, ``echo_at`` and ``max_echo``; the
+rest of the pipeline reads this value, never the raw ``float | "auto"``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .. import _checks, _core
+
+__all__ = ["Echo", "exact_deliveries"]
+
+
+@dataclass(frozen=True)
+class Echo:
+    """Where and how much to echo.
+
+    Attributes:
+        factor: mean deliveries per example (or batch), >= 1; None for "auto":
+            repeat only while the consumer would otherwise wait.
+        at: ``"example"`` (the echo buffer repeats examples) or ``"batch"``
+            (whole batches are repeated).
+        max_echo: with "auto", the cap on deliveries per example (batch).
+    """
+
+    factor: float | None
+    at: str
+    max_echo: float
+
+    @classmethod
+    def of(cls, echo_factor: Any, echo_at: Any, max_echo: Any) -> Echo:
+        """Validates EchoLoader's three echo arguments.
+
+        Raises:
+            TypeError, ValueError: a bad argument, named in the message.
+        """
+        factor = _checks.echo_factor(echo_factor)
+        return cls(None if factor == "auto" else factor, _checks.choice("echo_at", echo_at, ("example", "batch")),
+                   _checks.real("max_echo", max_echo, 1.0, _core.MAX_ECHO))
+
+    @property
+    def auto(self) -> bool:
+        return self.factor is None
+
+    @property
+    def per_example(self) -> bool:
+        return self.at == "example"
+
+    @property
+    def setting(self) -> float | str:
+        """As given: the factor, or ``"auto"`` (how states and attributes show it)."""
+        return "auto" if self.factor is None else self.factor
+
+    @property
+    def once(self) -> bool:
+        """Every example is delivered exactly once: no echo at all."""
+        return self.factor == 1
+
+    @property
+    def whole(self) -> bool:
+        """A fixed whole factor: every example (batch) is delivered the same number of times."""
+        return self.factor is not None and float(self.factor).is_integer()
+
+
+def exact_deliveries(count: int, factor: float) -> int:
+    """Deliveries of ``count`` items with exact echo counts: floor(e) each, and one
+    more for floor(count * f) of them (f = e - floor(e))."""
+    whole = math.floor(factor)
+    return count * whole + math.floor(count * (factor - whole))

@@ -1,0 +1,211 @@
+"""The planner: the one place that turns a loader's configuration into what
+each part of an epoch needs, and so the one place that knows which
+combination of options is in use.
+
+:func:`plan` reads the validated :class:`~dataecho.config.loader_config.LoaderConfig`
+once and returns a :class:`Plan` of small frozen specs: the source's, the
+workers', one per stage, and the consumer's. A stage is built from its own spec
+and never sees the configuration. The chain an epoch runs is::
+
+    intake -> [batch_echo] -> [augment] -> [delivery]
+
+``batch_echo`` with ``echo_at="batch"`` (not in order), ``augment`` where one
+is given, ``delivery`` with a device, and wherever a checkpoint is exact (it
+owns the batches on their way out, so that a state taken with a device resumes
+without one).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..config.dataloader import DEFAULT_WORKERS
+from ..config.echo import exact_deliveries
+from ..config.loader_config import DEFAULT_EXAMPLES, LoaderConfig
+from ..reading.chunking import CHUNK
+from ..reading.order import OrderSpec
+from ..reading.source import SourceSpec
+from ..workers.spec import WorkersSpec
+from .augment import AugmentSpec
+from .batch_echo import BatchEchoSpec
+from .delivery import DeliverySpec
+from .intake import IntakeSpec
+
+__all__ = ["OutputSpec", "Plan", "plan"]
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """What the epoch does with each batch the last stage yields, and how it waits.
+
+    Attributes:
+        to_torch: host batches are handed out as torch tensors (``output="torch"`` without a device).
+        collate_fn: called with the batch's examples; its result is yielded.
+        padding: ragged leaves padded on the host (no device), or None.
+        timeout_s: how long to wait for a batch (None: for ever).
+        declared_ragged: leaf paths declared ragged.
+        strict: a declared path that is not a leaf of the examples raises
+            (False where ``augment`` may make it one).
+        warn_starved: say when the ragged budget made a deterministic order depend on timing.
+    """
+
+    to_torch: bool
+    collate_fn: Callable[[list], Any] | None
+    padding: int | str | None
+    timeout_s: float | None
+    declared_ragged: frozenset[str]
+    strict: bool
+    warn_starved: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """An epoch's specs, built once per loader.
+
+    Attributes:
+        source: what the epoch reads.
+        intake, batch_echo, augment, delivery: the stages' specs (None: not in the chain).
+        output: the consumer's side.
+        batches_per_epoch: ``len(loader)`` (TypeError where it is not known).
+        checkpoint: how a state is taken mid-epoch: ``"exact"`` (every stage's
+            state), ``"skip"`` (an iterable read by threads: how many examples
+            were read), or None (refused, for the intake's reason).
+    """
+
+    source: SourceSpec
+    intake: IntakeSpec
+    batch_echo: BatchEchoSpec | None
+    augment: AugmentSpec | None
+    delivery: DeliverySpec | None
+    output: OutputSpec
+    checkpoint: str | None
+    batches_per_epoch: Callable[[], int]
+
+    @property
+    def stage_names(self) -> list[str]:
+        """The names of the stages an exact state holds, first to last."""
+        names = ["intake", "batch_echo", "augment", "delivery"]
+        return [name for name in names if getattr(self, name) is not None]
+
+
+def plan(config: LoaderConfig) -> Plan:
+    """The specs of ``config``'s epochs (see the module docstring)."""
+    exact = config.exact_checkpoint
+    order = OrderSpec(config.dataset, config.sampler, config.shard, config.shuffle, config.seed,
+                      config.drop_last) if config.map_style else None
+    source = SourceSpec(config.dataset, config.transform, order, config.seed, config.shard.rank,
+                        for_processes=config.worker_type == "process", chunk=min(CHUNK, config.batch_size))
+    batch_echo = _batch_echo(config, exact) if config.echo.at == "batch" and not config.in_order else None
+    return Plan(
+        source=source, intake=_intake(config, source, exact), batch_echo=batch_echo,
+        augment=_augment(config, exact) if config.augment is not None else None,
+        delivery=DeliverySpec(config.device, config.padding) if exact or config.device is not None else None,
+        output=OutputSpec(config.output == "torch" and config.device is None, config.collate_fn, config.padding if config.device is None else None,
+                          config.timeout, config.ragged or frozenset(), config.augment is None,
+                          config.deterministic),
+        checkpoint=_checkpoint(config),
+        batches_per_epoch=lambda: _batches_per_epoch(config, order),
+    )
+
+
+def _checkpoint(config: LoaderConfig) -> str | None:
+    if config.exact_checkpoint:
+        return "exact"
+    return None if config.map_style or config.worker_type == "process" else "skip"
+
+
+def _workers(config: LoaderConfig) -> WorkersSpec:
+    kind = "inline" if config.workers == 0 else config.worker_type
+    return WorkersSpec(kind, max(1, config.workers), config.auto_workers, config.start_method, config.worker_init_fn)
+
+
+def _intake(config: LoaderConfig, source: SourceSpec, exact: bool) -> IntakeSpec:
+    echo, batch = config.echo, config.batch_size
+    if echo.per_example:
+        capacity = config.shuffle_buffer
+    elif config.map_style:
+        # Batch echoing over an index order that is already a new permutation
+        # each epoch (the sampler's): batch it as it comes, as DataLoader
+        # does. A larger shuffle here would only delay the echoes: the
+        # reservoir grows by one example per delivery, at one more fresh read.
+        capacity = 2 * batch
+    else:
+        capacity = max(2 * batch, DEFAULT_EXAMPLES)
+    return IntakeSpec(
+        source=source, workers=_workers(config), capacity=capacity, bounded=config.map_style, batch_size=batch,
+        echo_factor=echo.factor if echo.per_example and not echo.auto else 1.0,
+        auto_echo=echo.per_example and echo.auto, max_echo=echo.max_echo,
+        # With augment, its output buffer decides what a short last batch means.
+        drop_last=config.drop_last and config.augment is None, prefetch=config.prefetch,
+        # Batch echoing: batches flow from the first one on; the example
+        # shuffle behind them still grows to its capacity.
+        initial=0 if echo.per_example else batch,
+        deterministic=config.deterministic, exact_echo=config.exact_echo and echo.per_example,
+        in_order=config.in_order, ragged_bytes=config.ragged_bytes, exact=exact,
+        unresumable=_unresumable(config), pinned_batches=_pinned_batches(config) if config.augment is None else 0,
+    )
+
+
+def _unresumable(config: LoaderConfig) -> str | None:
+    """Why no state can be taken mid-epoch, or None (see Plan.checkpoint)."""
+    if _checkpoint(config) is not None:
+        return None
+    if config.map_style:
+        return "saving a position mid-epoch needs deterministic=True (otherwise the order depends on thread timing)"
+    return ("worker processes each read their own shard of an iterable source, so there is no "
+            "single position to skip to; use a map-style source")
+
+
+def _batch_echo(config: LoaderConfig, exact: bool) -> BatchEchoSpec:
+    # torch has no read-only tensors: where its tensors view the batch memory
+    # (no augment, no device copy), a repeat is delivered from its own memory.
+    return BatchEchoSpec(resident=config.shuffle_buffer, batch_size=config.batch_size, echo_factor=config.echo.factor,
+                         max_echo=config.echo.max_echo, exact=config.exact_echo,
+                         torch_output=config.output == "torch",
+                         views_batch_memory=config.augment is None and config.device is None)
+
+
+def _augment(config: LoaderConfig, exact: bool) -> AugmentSpec:
+    takes_rng = config.augment_takes_rng
+    return AugmentSpec(
+        augment=config.augment, takes_rng=takes_rng, seed=config.seed, rank=config.shard.rank,
+        # num_workers=0 reads inline; augment still runs on threads (2 when num_workers is not given).
+        threads=DEFAULT_WORKERS if config.auto_workers else max(1, config.workers), exact=exact,
+        capacity=max(4 * config.batch_size, 256), batch_size=config.batch_size, drop_last=config.drop_last,
+        prefetch=config.prefetch, deterministic=config.deterministic, in_order=config.in_order,
+        declared_ragged=config.ragged, ragged_bytes=config.ragged_bytes, pinned_batches=_pinned_batches(config),
+    )
+
+
+def _pinned_batches(config: LoaderConfig) -> int:
+    """Page-locked batch blocks for the last host buffer: prefetch + the batch
+    being assembled + the consumer's + two in flight to the device (+ the
+    batches held for batch echoing). Past that the pool uses pageable memory."""
+    if not config.pin_memory:
+        return 0
+    count = config.prefetch + 4
+    if config.echo.at == "batch" and config.augment is None:
+        count += config.shuffle_buffer
+    return count
+
+
+def _batches_per_epoch(config: LoaderConfig, order: OrderSpec | None) -> int:
+    """``len(loader)``: batches per epoch on this rank, for a map-style source and
+    a fixed echo factor: integer, or fractional with exact echo counts
+    (``deterministic=True`` or several ranks).
+
+    Raises:
+        TypeError: an iterable source, or a number of batches that is random.
+    """
+    if order is None:
+        raise TypeError("len(): the source is an iterable of unknown length")
+    echo = config.echo
+    if echo.auto or not (echo.whole or config.exact_echo):
+        raise TypeError("len(): the number of batches is random with a fractional or 'auto' echo factor")
+    rounding = math.floor if config.drop_last else math.ceil
+    examples = order.examples_per_epoch()
+    if echo.at == "batch":
+        return exact_deliveries(rounding(examples / config.batch_size), echo.factor)
+    return rounding(exact_deliveries(examples, echo.factor) / config.batch_size)
