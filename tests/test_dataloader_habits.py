@@ -325,3 +325,29 @@ def test_shuffle_false_with_echo_mixes_repeats_within_the_buffer(seed):
     assert delivered[:100] != sorted(delivered[:100])  # mixed ...
     quarters = [np.mean(delivered[q * 2000:(q + 1) * 2000]) for q in range(4)]
     assert quarters == sorted(quarters) and quarters[-1] - quarters[0] > 2000  # ... yet in the dataset's drift
+
+
+def test_the_positional_parameters_are_dataloaders_in_its_order():
+    import inspect
+
+    torch = pytest.importorskip("torch")
+    ours = list(inspect.signature(dataecho.EchoLoader).parameters.values())
+    theirs = list(inspect.signature(torch.utils.data.DataLoader).parameters.values())
+    positional = [p.name for p in ours if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert positional == [p.name for p in theirs if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD][:13]
+    assert positional[-1] == "generator" and ours[len(positional)].kind is inspect.Parameter.KEYWORD_ONLY
+    # DataLoader's keyword-only parameters are keyword-only here too, under the same names.
+    keyword_only = {p.name for p in ours if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert {"prefetch_factor", "persistent_workers", "pin_memory_device"} <= keyword_only
+    assert inspect.signature(dataecho.EchoLoader).parameters["batch_size"].default == 1
+
+
+def test_positional_arguments_mean_what_they_mean_to_dataloader():
+    loader = dataecho.EchoLoader(Records(200), 20, True, echo_factor=1, seed=3)
+    assert (loader.batch_size, loader.shuffle) == (20, True)
+    order = [i for batch in loader for i in batch["id"].tolist()]
+    assert sorted(order) == list(range(200)) and order != list(range(200)), "shuffled, every example once"
+    in_order = dataecho.EchoLoader(Records(200), 20, False, echo_factor=1)
+    assert [i for batch in in_order for i in batch["id"].tolist()] == list(range(200))
+    with pytest.raises(TypeError):
+        dataecho.EchoLoader(Records(10), 2, True, None, None, 0, None, False, False, 0, None, None, None, 2.0)
