@@ -612,6 +612,7 @@ def kept_bytes(loader: dataecho.EchoLoader) -> int:
 
 def objects_held(epoch: Any) -> int:
     """Examples whose Python objects an epoch's echo buffer holds by reference."""
+    epoch.start()
     codec = epoch.stages[0]._buffer.codec
     return 0 if codec is None else codec.held
 
@@ -625,6 +626,7 @@ def spy_on_last_stage(epoch: Any) -> list[set[int]]:
     """Records the addresses of the arrays of every batch an epoch's last stage
     hands out (to check that what the loop gets views them: no copy)."""
     native: list[set[int]] = []
+    epoch.start()  # the first epoch builds its stages once the workers' first examples came
     last = epoch.stages[-1]
     upstream = last.next
 

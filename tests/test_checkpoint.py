@@ -193,8 +193,8 @@ def test_resume_reads_only_resident_and_later_examples():
     stages = state["stages"]
     intake = stages["intake"]
     queued_rows = sum(len(q["rows"]) for q in stages["intake"]["queued"] + stages["delivery"]["in_flight"])
-    # Every example left to read, the resident ones, the queued rows, and the first ones, to learn the structure.
-    assert sum(source.reads.values()) == (N - intake["next_seq"]) + len(intake["positions"]) + queued_rows + FIRST
+    # Every example left to read, the resident ones and the queued rows; the structure comes with the state.
+    assert sum(source.reads.values()) == (N - intake["next_seq"]) + len(intake["positions"]) + queued_rows
     assert taken + rest == run(make(), 1)
 
 
@@ -220,13 +220,12 @@ class Stream:
         return iter(range(500))
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_iterable_source_resumes_by_skipping_what_was_taken(deterministic):
-    # With deterministic=True the resumed epoch numbers what it reads from 0 again,
-    # as its reorder window expects (numbering from the skip count would wait forever).
+def test_a_non_deterministic_iterable_resumes_by_skipping_what_was_taken():
+    # deterministic=False: a state says how many examples were taken from the
+    # iterator, not which were delivered; resuming says what it may lose.
     def loader_over(stream):
         return dataecho.EchoLoader(stream, batch_size=10, echo_factor=1, shuffle_buffer=50, seed=3,
-                                   deterministic=deterministic)
+                                   deterministic=False)
 
     loader = loader_over(Stream())
     epoch = iter(loader)
@@ -235,10 +234,32 @@ def test_iterable_source_resumes_by_skipping_what_was_taken(deterministic):
     skip = state["stages"]["intake"]["skip"]
     assert 100 <= skip <= 500
     resumed = loader_over(Stream())
-    resumed.load_state_dict(state)
+    with pytest.warns(UserWarning, match=f"skips the {skip} examples"):
+        resumed.load_state_dict(state)
     rest = np.concatenate(list(resumed)).tolist()
     assert sorted(rest) == list(range(skip, 500)), "the skipped examples are not read again"
     assert len(set(sum(seen, [])) & set(rest)) == 0
+
+
+@pytest.mark.parametrize("num_workers", [0, 2, 4])
+@pytest.mark.parametrize("cut", [1, 7, 30])
+def test_an_iterable_resumes_every_example_not_yet_delivered(num_workers, cut):
+    # By default an iterable read by threads is read in a deterministic order:
+    # a state names the examples by their position in the iteration, and the
+    # resumed loader reads the iterable again up to there, keeping those.
+    def loader_over(stream, **kwargs):
+        return dataecho.EchoLoader(stream, batch_size=10, echo_factor=1, shuffle_buffer=50, num_workers=num_workers,
+                                   transform=lambda x: x * 2, **kwargs)
+
+    loader = loader_over(Stream())
+    epoch = iter(loader)
+    seen = [x for _ in range(cut) for x in next(epoch).tolist()]
+    state = loader.state_dict()
+    resumed = loader_over(Stream())
+    resumed.load_state_dict(state)
+    rest = np.concatenate(list(resumed)).tolist()
+    assert sorted(seen + rest) == [2 * i for i in range(500)], "every example delivered once, across the two"
+    assert rest == np.concatenate(list(loader_over(Stream(), seed=state["config"]["seed"]))).tolist()[10 * cut:]
 
 
 def test_bad_states_are_refused():
@@ -305,3 +326,24 @@ def test_resume_with_batches_on_their_way_to_the_device():
             assert len(state["stages"]["delivery"]["in_flight"]) >= 1
             assert taken + resume(state, **kwargs) == reference, f"resumed after batch {cut}"
             assert taken + resume(state, **extra) == reference, f"resumed after batch {cut} without a device"
+
+
+def test_tampered_states_are_refused_naming_the_key():
+    _, state = take_then_save(make(), 5)
+    intake = state["stages"]["intake"]
+
+    def tampered(**changes):
+        return {**state, "stages": {**state["stages"], "intake": {**intake, **changes}}}
+
+    echoes = intake["echoes"].astype(np.uint64)
+    for value, message in ((1000, r"\['echoes'\]: at most 2 echoes left"),
+                           (2 ** 32 + 1, r"\['echoes'\]: values beyond 4294967295")):
+        with pytest.raises(ValueError, match=message):
+            make().load_state_dict(tampered(echoes=np.full_like(echoes, value)))
+    with pytest.raises(ValueError, match=r"\['ended'\]: True, with examples resident"):
+        make().load_state_dict(tampered(ended=True))
+    with pytest.raises(ValueError, match=r"\['rng_state'\]: expected an int in \[0, 18446744073709551615\]"):
+        make().load_state_dict(tampered(rng_state=2 ** 64))
+    row = intake["positions"][0]
+    with pytest.raises(ValueError, match=r"\['queued'\]\[0\]\['rows'\]: an example more than 2 times"):
+        make().load_state_dict(tampered(queued=[{"rows": np.array([row, row, row], dtype=np.uint64)}]))

@@ -393,8 +393,12 @@ def test_same_seed_one_worker_same_batches():
 def test_len_is_defined_only_where_it_is_fixed():
     assert len(dataecho.EchoLoader(range(1000), batch_size=64, echo_factor=2)) == 32
     assert len(dataecho.EchoLoader(range(1000), batch_size=64, echo_factor=2, drop_last=True)) == 31
+    # Fractional factors give exact counts by position where the order is deterministic (the default).
+    assert len(dataecho.EchoLoader(range(1000), batch_size=64, echo_factor=1.5)) == 24
     with pytest.raises(TypeError, match="fractional or 'auto'"):
-        len(dataecho.EchoLoader(range(1000), echo_factor=1.5))
+        len(dataecho.EchoLoader(range(1000), echo_factor=1.5, deterministic=False))
+    with pytest.raises(TypeError, match="fractional or 'auto'"):
+        len(dataecho.EchoLoader(range(1000), echo_factor="auto"))
     with pytest.raises(TypeError, match="unknown length"):
         len(dataecho.EchoLoader(iter(range(1000))))
 

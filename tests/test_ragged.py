@@ -20,7 +20,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import (
-    FIRST,
     Records,
     Stream,
     boxes_of,
@@ -107,7 +106,7 @@ def test_worker_processes_write_ragged_values_and_pickled_objects_straight_into_
             check_exact(delivered, range(N), 1.5)
             produced = sum(w["produced"] for w in it.stats()["workers"])
             # The first epoch reads its first examples here, to learn the structure.
-            assert produced == N - (FIRST if epoch == 0 else 0), "the workers read the rest, ragged values and all"
+            assert produced == N, "the workers read every example, the first ones, ragged values and all"
 
 
 def test_an_iterable_source_of_ragged_examples_is_read_exactly():
@@ -389,3 +388,35 @@ def test_examples_of_objects_only_echo_before_an_augment_that_tokenizes_them():
     check_exact(seen, range(300), 2)
     strings = next(iter(dataecho.EchoLoader(texts, batch_size=8, shuffle=False, echo_factor=1)))
     assert strings == texts[:8], "an example that is one object: a batch is a list"
+
+
+class ShortFirst:
+    """Token sequences of one token for the first ids, of 400 after: a loader
+    that sized its memory from the first examples alone would be short of it."""
+
+    def __len__(self) -> int:
+        return 400
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"id": i, "tokens": np.full(1 if i < 16 else 400, i, dtype=np.int32)}
+
+
+@pytest.mark.parametrize("ragged_bytes", [None, 1024])
+def test_a_resumed_ragged_epoch_takes_the_saved_structure_and_memory(ragged_bytes):
+    def make(**kwargs):
+        return dataecho.EchoLoader(ShortFirst(), batch_size=8, echo_factor=2, shuffle_buffer=64, seed=1,
+                                   ragged=["tokens"], timeout=30, **kwargs)
+
+    loader = make()
+    epoch = iter(loader)
+    seen = Counter(i for _ in range(40) for i in next(epoch)["id"].tolist())
+    state = loader.state_dict()
+    assert state["structure"]["kinds"] == ["array", "ragged"]
+    assert state["stages"]["intake"]["ragged_bytes"] > 64 * 400 * 4 // 2, "the saved buffer's memory"
+    resumed = make(ragged_bytes=ragged_bytes)  # its own first examples are short: the state tells the rest
+    resumed.load_state_dict(state)
+    for batch in resumed:
+        for i, tokens in zip(batch["id"].tolist(), batch["tokens"]):
+            assert len(tokens) == (1 if i < 16 else 400) and (tokens == i).all()
+            seen[i] += 1
+    assert seen == Counter({i: 2 for i in range(400)})

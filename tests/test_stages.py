@@ -5,6 +5,8 @@ through EchoLoader is in test_checkpoint.py.)"""
 
 from __future__ import annotations
 
+import functools
+
 import contextlib
 import pickle
 import threading
@@ -106,7 +108,7 @@ def test_batch_echo_resumes_at_every_cut(factor):
             upstream.position = state["fresh_batches"] * BATCH
         return batch_echo.BatchEchoStage(spec, upstream, seed=5, resume=state, read_batch=upstream.read)
 
-    save_and_load_at_cuts(make, batch_echo.check_state, ORDER)
+    save_and_load_at_cuts(make, functools.partial(batch_echo.check_state, spec), ORDER)
 
 
 def test_delivery_resumes_batches_on_their_way_to_the_device():
@@ -124,7 +126,7 @@ def test_delivery_resumes_batches_on_their_way_to_the_device():
     stage.next()
     assert len(stage.state()["in_flight"]) == 1, "one batch is copied ahead of the one handed out"
     stage.join(1.0)
-    save_and_load_at_cuts(make, delivery.check_state, ORDER)
+    save_and_load_at_cuts(make, functools.partial(delivery.check_state, spec), ORDER)
 
 
 class FakeSource:
@@ -154,7 +156,7 @@ def test_augment_resumes_pending_resident_and_queued_rows():
         return augment.AugmentStage(spec, upstream, SCALAR, FakeSource(), Failure(), lambda: None, pull_lock,
                                     resume=state)
 
-    save_and_load_at_cuts(make, augment.check_state, ORDER, pull_lock)
+    save_and_load_at_cuts(make, functools.partial(augment.check_state, spec), ORDER, pull_lock)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -169,14 +171,16 @@ def test_intake_resumes_resident_and_queued_examples(num_workers):
         return intake.IntakeStage(specs.intake, source, structure, [], Failure(), lambda: None, resume=state)
 
     order = specs.source.order.order(0)
-    save_and_load_at_cuts(make, intake.check_state, order)
+    save_and_load_at_cuts(make, functools.partial(intake.check_state, specs.intake), order)
     loader.close()
 
 
 def test_a_stage_refuses_a_state_it_could_not_have_saved():
+    spec = batch_echo.BatchEchoSpec(resident=3, batch_size=BATCH, echo_factor=2.0, max_echo=4.0, exact=True)
     state = {"entries": [{"rows": np.array([1, 2]), "left": 3, "deliveries": 2}], "last": 0, "rng": {},
              "fresh_batches": 1, "delivered_batches": 0, "upstream_done": False}
-    with pytest.raises(ValueError, match=r"\['entries'\]\[0\]: expected 1 <= left <= deliveries"):
-        batch_echo.check_state(state, ORDER, "state['stages']['batch_echo']")
+    with pytest.raises(ValueError, match=r"\['entries'\]\[0\]: expected 1 <= left <= deliveries <= 2"):
+        batch_echo.check_state(spec, state, ORDER, "state['stages']['batch_echo']")
     with pytest.raises(ValueError, match="in_flight"):
-        delivery.check_state({"in_flight": [{"rows": np.array([POSITIONS])}]}, ORDER, "state['stages']['delivery']")
+        delivery.check_state(delivery.DeliverySpec(device="cpu"), {"in_flight": [{"rows": np.array([POSITIONS])}]},
+                             ORDER, "state['stages']['delivery']")

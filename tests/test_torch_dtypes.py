@@ -175,6 +175,7 @@ def test_device_copy_keeps_the_dtype(seed):
 def test_other_dtypes_numpy_lacks(name, output, seed):
     dtype = getattr(torch, name)
     epoch = iter(make(Records(dtype=name), output=output, seed=seed))
+    epoch.start()  # the first examples tell the structure
     assert epoch.structure.specs[1][1] == np.dtype(f"u{dtype.itemsize}"), "stored as its bytes"
     assert epoch.structure.torch_dtypes[1] == str(dtype)
     check_exact(drain(epoch, dtype), range(N), 2)
@@ -293,7 +294,7 @@ def test_quantized_tensors_are_refused_naming_the_leaf():
     q = torch.quantize_per_tensor(torch.tensor([1.0, 2.0]), 0.1, 10, torch.quint8)
     with pytest.raises(TypeError, match=r"leaf 'meta/q' is a torch.quint8 tensor.*scale and zero point.*"
                                         r"expected a dtype that NumPy has"):
-        iter(dataecho.EchoLoader([{"id": 0, "meta": {"q": q}}] * 4, batch_size=2))
+        next(iter(dataecho.EchoLoader([{"id": 0, "meta": {"q": q}}] * 4, batch_size=2)))
     with pytest.raises(TypeError, match="leaf 'example' is a torch.qint8"):
         Structure.infer(torch.quantize_per_tensor(torch.tensor([1.0]), 0.1, 0, torch.qint8))
 

@@ -33,3 +33,107 @@ class ShardedByTorch(IterableDataset):
                 "pid": os.getpid(),
                 "draws": np.array([random.random(), np.random.random(), torch.rand(()).item()]),
             }
+
+
+class Pairs(torch.utils.data.Dataset):
+    """``(np.array([i]), i % 3)``: an array and a Python int, the most common shape of a torch example."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return np.array([i]), i % 3
+
+
+class Described(torch.utils.data.Dataset):
+    """Dicts of a Python int, a str, a float, a NumPy scalar, a tensor and a range."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return {"id": i, "name": f"item-{i}", "weight": i / 2, "np": np.float32(i), "t": torch.tensor([i, -i]),
+                "r": range(i % 2, i % 2 + 2)}
+
+
+class CountingIterable(IterableDataset):
+    """An IterableDataset with a ``__len__`` (torch's own tests have one)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class Seeds(torch.utils.data.Dataset):
+    """Each example: torch's global seed and the process it was read in."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int):
+        return {"id": i, "seed": torch.initial_seed(), "pid": os.getpid()}
+
+
+def seed_12345(worker_id: int) -> None:
+    torch.manual_seed(12345)
+
+
+class FailsAt(torch.utils.data.Dataset):
+    """``range(n)`` whose ``__getitem__(at)`` raises a KeyError."""
+
+    def __init__(self, n: int, at: int) -> None:
+        self.n, self.at = n, at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if i == self.at:
+            raise KeyError(f"no example {i}")
+        return i
+
+
+class Slow(torch.utils.data.Dataset):
+    """Every read takes ``delay_s``."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        import time
+
+        time.sleep(self.delay_s)
+        return i
+
+
+class Locked(torch.utils.data.Dataset):
+    """Holds multiprocessing objects (a lock, a value, an event) of the
+    forkserver context: they reach worker processes only by inheritance."""
+
+    def __init__(self, n: int) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("forkserver")
+        self.n, self.lock, self.reads, self.event = n, context.Lock(), context.Value("i", 0), context.Event()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        with self.lock:
+            self.reads.value += 1
+        return i

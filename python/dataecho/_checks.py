@@ -69,13 +69,13 @@ def flag(name: str, value: Any) -> bool:
     return value
 
 
-def seed(value: Any) -> int:
+def seed(value: Any, name: str = "seed") -> int:
     """A 64-bit seed: ``value`` itself, or a fresh random one for None."""
     if value is None:
         return secrets.randbits(64)
-    number = integer("seed", value, "None or a non-negative int")
+    number = integer(name, value, "None or a non-negative int")
     if not 0 <= number < _UINT64:
-        raise ValueError(f"seed: expected an int in [0, 2**64), got {number}")
+        raise ValueError(f"{name}: expected an int in [0, 2**64), got {number}")
     return number
 
 

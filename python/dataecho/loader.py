@@ -17,17 +17,19 @@ from __future__ import annotations
 
 import functools
 import threading
+import types
 import weakref
 from typing import Any, Callable
 
 from . import _core
 from .config.loader_config import LoaderConfig, loader_config
+from .examples.described import describe, described
 from .examples.structure import Structure
-from .pipeline.chain import state_checks
-from .pipeline.checkpoint import FORMAT, check_state
+from .pipeline.checkpoint import FORMAT
 from .pipeline.epoch import Epoch
 from .pipeline.numbering import EpochNumbers
 from .pipeline.plan import plan
+from .pipeline.resume import resumed
 from .pipeline.stats import Totals
 from .reading.order import LoaderSampler
 from .workers.pool import WorkerPool
@@ -42,6 +44,7 @@ _ATTRIBUTES: dict[str, Callable[[LoaderConfig], Any]] = {
     "num_workers": lambda c: None if c.auto_workers else c.workers,
     "batch_sampler": lambda c: None,
     "timeout": lambda c: c.timeout or 0,
+    "batch_size": lambda c: c.batch_size if c.batched else None,
     "multiprocessing_context": lambda c: c.start_method,
     "echo_factor": lambda c: c.echo.setting,
     "echo_at": lambda c: c.echo.at,
@@ -49,92 +52,67 @@ _ATTRIBUTES: dict[str, Callable[[LoaderConfig], Any]] = {
     "rank": lambda c: c.shard.rank,
     "world_size": lambda c: c.shard.world_size,
     **{name: (lambda c, name=name: getattr(c, name)) for name in (
-        "dataset", "batch_size", "shuffle", "collate_fn", "pin_memory", "drop_last", "worker_init_fn",
+        "dataset", "shuffle", "collate_fn", "pin_memory", "drop_last", "worker_init_fn",
         "prefetch_factor", "persistent_workers", "transform", "augment", "shuffle_buffer", "seed", "deterministic",
         "worker_type", "output", "device", "ragged", "ragged_bytes", "padding")},
 }
 
 
 class EchoLoader:
-    """Batches from a dataset or iterable, with data echoing.
-
-    Echoing repeats data already in the pipeline so that a training step that is
-    faster than the input pipeline trains on reshuffled repeats instead of
-    waiting. Where to echo (Choi et al., 2019):
-
-    * after augmentation: put augmentation in ``transform``;
-    * before augmentation (nearly as good as fresh data in the paper): put
-      reading and decoding in ``transform``, augmentation in ``augment``, which
-      runs anew on every repeat;
-    * batch echoing: ``echo_at="batch"`` repeats whole batches.
+    """Batches from a dataset or iterable, with data echoing (see the module
+    docstring for the placements: ``transform`` before the echo stage,
+    ``augment`` after it, ``echo_at="batch"``).
 
     The positional parameters are torch ``DataLoader``'s, in its order and with
-    its meaning (see dataecho.config.dataloader for what dataecho does with
-    each); the rest are keyword-only.
+    its meaning (dataecho.config.dataloader says what dataecho does with each);
+    the rest are keyword-only. The arguments read back as attributes
+    (``loader.batch_size``; all as ``loader.config``) and cannot be set later.
 
     Args:
         dataset: an iterable of examples, a map-style dataset (``__len__`` and
-            ``__getitem__``; a torch ``Dataset``), or a Ray Data
-            ``Dataset``/``DataIterator`` (see dataecho.reading.ray). An example
-            is an array, a number, a torch CPU tensor, or a dict/tuple/list of them.
-        batch_size: examples per batch (1, as in DataLoader).
+            ``__getitem__``; a torch ``Dataset``; an ``IterableDataset`` is
+            iterable whatever else it defines), or a Ray Data
+            ``Dataset``/``DataIterator``. An example is an array, a number, a
+            torch CPU tensor, an object, or a dict/tuple/list of them.
+        batch_size: examples per batch (1); None yields each example alone, as
+            the dataset returned it (``default_convert``-ed with ``output="torch"``).
         shuffle: map-style datasets: a new random order every epoch (default
-            True, False with a ``sampler``: echoed repeats need a shuffled
-            read). With False the reading order is the dataset's (or the
-            sampler's), which batches follow exactly at ``echo_factor=1``;
-            with more, the echo buffer spreads repeats apart.
+            True, False with a ``sampler``). With False, batches follow the
+            reading order exactly at ``echo_factor=1``.
         num_workers: producer threads or processes (and augment threads). Not
-            given: one reading thread, more while reads wait
-            (dataecho.workers.threads), 2 processes. 0 reads in the calling thread.
+            given: one reading thread, more while reads wait; 2 processes. 0
+            reads in the calling thread. No user code runs in ``iter()``: the
+            workers read the first examples, which tell the structure.
         sampler, batch_sampler, collate_fn, pin_memory, drop_last, timeout,
         worker_init_fn, multiprocessing_context, generator, prefetch_factor,
-        persistent_workers, pin_memory_device: as in DataLoader (see
-            dataecho.config.dataloader; ``batch_sampler`` is refused).
-        echo_factor: mean deliveries per example (or per batch), a number >= 1
-            (fractional factors repeat ``floor(e)`` or ``floor(e) + 1`` times);
-            or ``"auto"``: repeat only while the consumer would otherwise wait,
-            up to about ``max_echo`` times.
+        persistent_workers, pin_memory_device: as in DataLoader;
+            ``collate_fn`` gets the examples as the dataset returned them.
+        echo_factor: mean deliveries per example (or batch), a number >= 1
+            (fractional: ``floor(e)`` or ``floor(e) + 1`` each), or ``"auto"``:
+            repeat only while the consumer would wait, up to about ``max_echo``.
         echo_at: ``"example"`` or ``"batch"``.
-        max_echo: cap on deliveries per example (batch) when echo_factor="auto".
-        transform: per-example function run by the producers, before the echo
-            stage (read, decode, ...).
-        augment: per-example function run after the echo stage, by worker
-            threads: every repeat is augmented anew; it may change the example.
-            One that accepts ``rng`` is called as ``augment(example, rng=...)``
-            with a ``numpy.random.Generator`` keyed by (seed, epoch, rank,
-            delivery): its batches are then a function of the seed, resumable.
-        shuffle_buffer: examples resident in the echo buffer (default 4096); with
-            ``echo_at="batch"``, batches resident in the batch buffer (default 16).
-        seed: seeds the order, the shuffle, the echo draws and ``augment``'s
-            generators; None draws one (from ``generator`` where given).
-        deterministic: the batches are a function of (seed, epoch, rank,
-            world_size) alone, whatever the workers and their timing: examples
-            enter the echo buffer in reading order (a reorder window of
-            ``batch_size``), fractional echo counts follow their position. Not
-            with ``echo_factor="auto"``; ``augment`` without ``rng`` stays random.
-        worker_type: ``"thread"`` or ``"process"`` (for a CPU-bound Python
-            ``dataset``/``transform``, which must pickle; each worker iterates
-            an iterable dataset, sharding by ``dataecho.get_worker_info()``).
-        output: ``"numpy"`` or ``"torch"`` (tensors that share the batch memory;
-            a leaf of a dtype NumPy lacks, ``bfloat16``, is a tensor with either).
-        device: a torch device; each batch is copied there on a side stream,
-            one batch ahead, so the copy overlaps the training step.
+        max_echo: with ``"auto"``, the cap on deliveries per example (batch).
+        transform: per-example function of the producers, before the echo stage.
+        augment: per-example function after the echo stage, anew on every
+            repeat; called as ``augment(example, rng=...)`` where it takes
+            ``rng`` (a generator keyed by seed, epoch, rank and delivery).
+        shuffle_buffer: examples resident in the echo buffer (4096, or two
+            batches if more); with ``echo_at="batch"``, batches (16).
+        seed: seeds everything random; None draws one (from ``generator``
+            where given), which a loaded state replaces.
+        deterministic: batches that depend on (seed, epoch, rank, world_size)
+            alone, whatever the workers' timing, and exact mid-epoch states.
+            Default: wherever it can be (not with ``"auto"``, worker processes
+            over an iterable, a Ray dataset, or a buffer below two batches).
+        worker_type: ``"thread"`` or ``"process"``.
+        output: ``"numpy"`` or ``"torch"`` (tensors over the batch memory).
+        device: a torch device; batches are copied there one batch ahead.
         rank, world_size: this process's part of a data-parallel job (default:
-            from ``torch.distributed``): a disjoint shard of a map-style dataset
-            of equal size on every rank (as ``DistributedSampler``); the
-            ``seed`` must be the same on every rank (None means 0 then).
+            from ``torch.distributed``): an equal, disjoint shard per rank.
         ragged, ragged_bytes, padding: leaves whose first axis varies in length
-            (declared by path, ``["input_ids", "meta/boxes"]``, or inferred from
-            the first examples and Hugging Face sequence features) come as a
-            :class:`dataecho.Ragged`, or a jagged nested tensor with torch, whose
-            values take at most ``ragged_bytes`` in the echo buffer; with
-            ``padding`` (``"longest"`` or a length) as :class:`dataecho.Padded`.
-            Leaves that are not arrays (a ``str``, ``None``) come as lists.
-
-    The arguments can be read back as attributes under the names above
-    (``loader.batch_size``, ``loader.num_workers``; all as ``loader.config``);
-    ``loader.sampler`` is the given one, or a view of the loader's order whose
-    ``set_epoch`` reaches the loader.
+            (declared by path, or inferred) come as :class:`dataecho.Ragged`
+            (a jagged nested tensor with torch) or, padded, as
+            :class:`dataecho.Padded`; ``ragged_bytes`` bounds their memory.
 
     Raises:
         TypeError, ValueError: a bad argument, named in the message.
@@ -144,7 +122,7 @@ class EchoLoader:
     def __init__(
         self,
         dataset: Any,
-        batch_size: int = 1,
+        batch_size: int | None = 1,
         shuffle: bool | None = None,
         sampler: Any = None,
         batch_sampler: Any = None,
@@ -167,7 +145,7 @@ class EchoLoader:
         augment: Callable[..., Any] | None = None,
         shuffle_buffer: int | None = None,
         seed: int | None = None,
-        deterministic: bool = False,
+        deterministic: bool | None = None,
         worker_type: str | None = None,
         output: str = "numpy",
         device: Any = None,
@@ -195,8 +173,19 @@ class EchoLoader:
         self._current_ref: Callable[[], Epoch | None] = lambda: None
         self._totals = Totals()
         self._starting = threading.Lock()
+        self._left: dict[str, Any] | None = None  # where an epoch left part-way stood (Epoch.__del__)
         self._pool = WorkerPool() if self.config.persistent_workers and self.config.worker_type == "process" else None
         self._memory = _core.BlockCache()  # the echo buffer's memory, from one epoch to the next
+
+    # EchoLoader[Tensor] in annotations, as DataLoader[Tensor].
+    __class_getitem__ = classmethod(types.GenericAlias)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # As DataLoader: the arguments are read once; setting one later would be silently ignored.
+        if (name in _ATTRIBUTES or name == "sampler") and "config" in self.__dict__:
+            raise ValueError(f"{name}: cannot be set after the EchoLoader is built (as in DataLoader); "
+                             f"build a new loader with {name}={value!r}")
+        super().__setattr__(name, value)
 
     def __getattr__(self, name: str) -> Any:
         config = self.__dict__.get("config")
@@ -216,11 +205,11 @@ class EchoLoader:
             current = self._current
             if current is not None:
                 current.supersede()  # if it yielded nothing, it gives back its number and resume state
+            self._left = None  # the position of an epoch left part-way is forgotten once another starts
             resume, self._resume = self._resume, None
             epoch = Epoch(self._plan, self._numbers.next, self._structure, resume["stages"] if resume else None,
                           functools.partial(_ended, self, resume), owner=self, pool=self._pool,
-                          memory=self._memory)
-            self._structure = self._structure or epoch.structure
+                          memory=self._memory, on_structure=functools.partial(_learned, weakref.ref(self)))
             self._current_ref = weakref.ref(epoch)
             self._numbers.started()
             return epoch
@@ -249,8 +238,9 @@ class EchoLoader:
     def state_dict(self) -> dict[str, Any]:
         """Where iteration stands, to resume from with ``load_state_dict`` (as
         torchdata's ``StatefulDataLoader``), taken between batches in the
-        consumer's thread. Exact for map-style sources with ``deterministic=True``
-        (and an ``augment`` that takes ``rng``); see dataecho.pipeline.checkpoint.
+        consumer's thread; after a loop left with ``break``, where that epoch
+        stood. Exact wherever the order is deterministic (the default; and an
+        ``augment`` that takes ``rng``); see dataecho.pipeline.checkpoint.
 
         Raises:
             ValueError: a loader whose position cannot be saved mid-epoch (the
@@ -258,12 +248,20 @@ class EchoLoader:
         """
         if self._resume is not None:
             return dict(self._resume)  # loaded, not started yet
-        state = {"format": FORMAT, "epoch": self._numbers.next, "config": self.config.fingerprint(), "stages": None}
         current = self._current
+        if current is None and self._left is not None:  # a loop left with `break`: where it stood
+            return dict(self._left)
+        state = self._envelope(self._numbers.next, None)
         if current is not None:
             state["epoch"] = current.epoch
             state["stages"] = current.state()
         return state
+
+    def _envelope(self, epoch: int, stages: dict[str, Any] | None) -> dict[str, Any]:
+        """A state of this loader (see dataecho.pipeline.checkpoint)."""
+        structure = None if self._structure is None else describe(self._structure)
+        return {"format": FORMAT, "epoch": epoch, "config": self.config.fingerprint(), "structure": structure,
+                "stages": stages}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resumes from ``state_dict()``'s result at the next ``iter(loader)``;
@@ -273,10 +271,11 @@ class EchoLoader:
             TypeError, ValueError: a state that is not one, or was saved by a
                 loader with other arguments that decide the batches (named).
         """
-        order = self._plan.source.order
-        checked = check_state(state, self.config.fingerprint(), state_checks(self._plan),
-                              lambda epoch: order.order(epoch) if order is not None else None)
+        config, planned, checked = resumed(self.config, self._plan, state)
         self.close()
+        self.config, self._plan = config, planned
+        if checked["structure"] is not None:
+            self._structure = described(checked["structure"], "state['structure']")
         self._numbers.next = checked["epoch"]
         self._resume = checked
 
@@ -315,9 +314,20 @@ def _release(kept: dict[str, Any]) -> None:
         kept["_memory"].clear()
 
 
-def _ended(loader: EchoLoader, resume: dict[str, Any] | None, counters: dict[str, Any], workers: list) -> None:
-    """An epoch of ``loader`` ended; ``resume``: the checkpoint it started from, if any."""
+def _learned(loader_ref: Callable[[], EchoLoader | None], structure: Structure) -> None:
+    """The first examples told the structure: later epochs start from it."""
+    loader = loader_ref()
+    if loader is not None and loader._structure is None:
+        loader._structure = structure
+
+
+def _ended(loader: EchoLoader, resume: dict[str, Any] | None, counters: dict[str, Any], workers: list,
+           left: dict[str, Any] | None) -> None:
+    """An epoch of ``loader`` ended; ``resume``: the checkpoint it started from,
+    if any; ``left``: where it stood if its consumer left it part-way."""
     loader._totals.add(counters, workers)
+    if left is not None:
+        loader._left = loader._envelope(counters["epoch"], left)
     if counters["batches"] == 0 and counters["state"] == "stopped":  # as if never started
         loader._numbers.give_back(counters["epoch"])
         if resume is not None and loader._resume is None:

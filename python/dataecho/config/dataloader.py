@@ -31,6 +31,7 @@ Where torch warns and goes on, so does dataecho.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
@@ -38,7 +39,7 @@ from .. import _checks
 from ..tensors.convert import import_torch
 
 __all__ = ["DEFAULT_PREFETCH", "DEFAULT_WORKERS", "check_callable", "num_workers", "pin_memory", "prefetch",
-           "refuse_batch_sampler", "seed", "timeout", "worker_kind"]
+           "refuse_batch_sampler", "seed", "timeout", "warn_many_workers", "worker_kind"]
 
 DEFAULT_WORKERS = 2  # processes (and augment threads) when num_workers is not given
 DEFAULT_PREFETCH = 2  # batches assembled ahead when prefetch_factor is not given
@@ -83,6 +84,21 @@ def worker_kind(worker_type: Any, context: Any, workers: int | None) -> tuple[st
                             f"context, got {type(context).__name__}")
         context = get()
     return worker_type, context
+
+
+def warn_many_workers(workers: int | None, worker_type: str) -> None:
+    """Warns, as DataLoader does, of more workers than this machine suggests:
+    more processes than usable CPUs, or more threads than 8 per CPU (threads
+    that wait on I/O may usefully outnumber the CPUs)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if workers is None or not cpus:
+        return
+    limit = cpus if worker_type == "process" else 8 * cpus
+    if workers > limit:
+        kind = "worker processes" if worker_type == "process" else "reading threads"
+        warnings.warn(f"num_workers={workers}: this EchoLoader will create {workers} {kind}, more than the "
+                      f"{limit} suggested on this machine ({cpus} CPUs); so many can make loading slow or freeze "
+                      f"it: lower num_workers if so", UserWarning, stacklevel=4)
 
 
 def prefetch(prefetch_factor: Any, workers: int | None) -> int:

@@ -9,9 +9,8 @@ the native module (``_core.MAX_ECHO``, ``_core.MAX_CAPACITY``).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-import multiprocessing
-import pickle
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -23,6 +22,7 @@ from ..reading.source import is_map_style
 from ..tensors.convert import import_torch
 from ..workers.processes import default_start_method
 from . import dataloader
+from .processes import check_processes
 from .echo import Echo
 
 __all__ = ["DEFAULT_BATCHES", "DEFAULT_EXAMPLES", "LoaderConfig", "accepts_keyword", "loader_config"]
@@ -47,6 +47,7 @@ class LoaderConfig:
 
     dataset: Any
     batch_size: int
+    batched: bool  # False for batch_size=None: each example is yielded alone (batches of one inside)
     shuffle: bool
     sampler: Any
     collate_fn: Callable[[list], Any] | None
@@ -60,7 +61,9 @@ class LoaderConfig:
     augment: Callable[..., Any] | None
     shuffle_buffer: int
     seed: int
+    seed_given: bool  # ``seed`` was given; else it was drawn, and a loaded state's seed replaces it
     deterministic: bool
+    deterministic_given: bool  # deterministic=True was asked for (not only chosen by default)
     worker_type: str
     workers: int
     auto_workers: bool
@@ -92,14 +95,23 @@ class LoaderConfig:
 
     @property
     def exact_checkpoint(self) -> bool:
-        """A state taken mid-epoch names every example: a map-style source read
-        in a deterministic order."""
-        return self.map_style and self.deterministic
+        """A state taken mid-epoch names every example: a source read in a
+        deterministic order (an iterable's examples are named by their position
+        in the iteration, and read again up to there on resume)."""
+        return self.deterministic and (self.map_style or self.worker_type == "thread")
 
     @property
     def augment_takes_rng(self) -> bool:
         """``augment`` accepts an ``rng`` keyword: it is given a generator per delivery."""
         return self.augment is not None and accepts_keyword(self.augment, "rng")
+
+    def with_seed(self, seed: Any) -> LoaderConfig:
+        """This configuration with a loaded state's ``seed`` in place of a drawn one.
+
+        Raises:
+            TypeError, ValueError: not a seed (named as the state's key).
+        """
+        return dataclasses.replace(self, seed=_checks.seed(seed, "state['config']['seed']"))
 
     def fingerprint(self) -> dict[str, Any]:
         """What decides the sequence of batches, besides the source's contents:
@@ -110,7 +122,7 @@ class LoaderConfig:
             "world_size": self.shard.world_size,
             "length": len(self.dataset) if self.map_style else None,
             "sampler": None if self.sampler is None else type(self.sampler).__name__,
-            "batch_size": self.batch_size,
+            "batch_size": self.batch_size if self.batched else None,
             "echo_factor": self.echo.setting,
             "echo_at": self.echo.at,
             "shuffle_buffer": self.shuffle_buffer,
@@ -138,36 +150,33 @@ def loader_config(*, dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, 
     dataloader.refuse_batch_sampler(batch_sampler)
     workers = dataloader.num_workers(num_workers)
     worker_type, start_method = dataloader.worker_kind(worker_type, multiprocessing_context, workers)
-    if worker_type == "process" and start_method is None:
-        start_method = default_start_method()
+    start_method = start_method or (default_start_method() if worker_type == "process" else None)
     dataset = _check_dataset(dataset, worker_type)
-    batch_size = _checks.positive_int("batch_size", batch_size)
-    deterministic = _checks.flag("deterministic", deterministic)
+    batch_size, batched = _check_batch_size(batch_size, drop_last)
+    asked = None if deterministic is None else _checks.flag("deterministic", deterministic)
     shard = resolve_shard(rank, world_size)
-    # Ranks must agree on the epoch's permutation: a common seed.
-    seed = dataloader.seed(generator, seed)
-    seed = _checks.seed(0 if seed is None and shard.world_size > 1 else seed)
-    echo = _check_echo(Echo.of(echo_factor, echo_at, max_echo), deterministic, shard)
+    seed, seed_given = _check_seed(seed, generator, shard)
+    echo = _check_echo(Echo.of(echo_factor, echo_at, max_echo), asked is True, shard)
     sampler, shuffle = _check_sampler(sampler, shuffle, dataset)
     # shuffle=False at echo 1: batches in reading order, which deterministic intake gives.
     in_order = _reads_in_order(shuffle, echo, dataset, worker_type)
+    deterministic = in_order or _deterministic(asked, echo, dataset, worker_type, shuffle_buffer, batch_size)
     augment = dataloader.check_callable("augment", augment)
     shuffle_buffer = _check_shuffle_buffer(shuffle_buffer, batch_size, echo, augment is not None, deterministic,
                                            in_order)
-    persistent_workers = _checks.flag("persistent_workers", persistent_workers)
-    if persistent_workers and workers == 0:
-        raise ValueError("persistent_workers: needs num_workers > 0 (workers to keep), as in DataLoader")
+    persistent_workers = _check_persistent(persistent_workers, workers)
     # num_workers not given: threads start with one reader (see dataecho.workers.threads); processes, 2.
     auto_workers = workers is None and worker_type == "thread"
     config = LoaderConfig(
-        dataset=dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+        dataset=dataset, batch_size=batch_size, batched=batched, shuffle=shuffle, sampler=sampler,
         collate_fn=dataloader.check_callable("collate_fn", collate_fn),
         pin_memory=dataloader.pin_memory(pin_memory, pin_memory_device),
         drop_last=_checks.flag("drop_last", drop_last), timeout=dataloader.timeout(timeout),
         worker_init_fn=dataloader.check_callable("worker_init_fn", worker_init_fn),
         persistent_workers=persistent_workers, echo=echo,
         transform=dataloader.check_callable("transform", transform), augment=augment,
-        shuffle_buffer=shuffle_buffer, seed=seed, deterministic=deterministic or in_order, worker_type=worker_type,
+        shuffle_buffer=shuffle_buffer, seed=seed, seed_given=seed_given, deterministic=deterministic,
+        deterministic_given=asked is True, worker_type=worker_type,
         workers=1 if auto_workers else _check_workers(workers, worker_type), auto_workers=auto_workers,
         prefetch=dataloader.prefetch(prefetch_factor, workers), prefetch_factor=prefetch_factor,
         start_method=start_method, output=_checks.choice("output", output, ("numpy", "torch")),
@@ -179,8 +188,49 @@ def loader_config(*, dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, 
         raise ValueError("collate_fn: its result is yielded as it is, so `device` cannot move it; "
                          "move the batch in the loop (batch.to(device)), as with DataLoader")
     if worker_type == "process":
-        _check_processes(config)
+        check_processes(config)
+    dataloader.warn_many_workers(workers, worker_type)
     return config
+
+
+def _check_seed(seed: Any, generator: Any, shard: Shard) -> tuple[int, bool]:
+    """(seed, given): the seed, or one drawn from ``generator``, or a random
+    one; 0 with several ranks, which must agree on the epoch's permutation."""
+    given = seed is not None
+    seed = dataloader.seed(generator, seed)
+    return _checks.seed(0 if seed is None and shard.world_size > 1 else seed), given
+
+
+def _check_persistent(value: Any, workers: int | None) -> bool:
+    if _checks.flag("persistent_workers", value) and workers == 0:
+        raise ValueError("persistent_workers: needs num_workers > 0 (workers to keep), as in DataLoader")
+    return bool(value)
+
+
+def _check_batch_size(batch_size: Any, drop_last: Any) -> tuple[int, bool]:
+    """(batch size, batched): ``batch_size=None`` yields examples one by one (batches of one inside)."""
+    if batch_size is not None:
+        return _checks.positive_int("batch_size", batch_size), True
+    if drop_last:
+        raise ValueError("drop_last: batch_size=None disables automatic batching, so drop_last=True has no batch "
+                         "to drop (as in DataLoader)")
+    return 1, False
+
+
+def _deterministic(asked: bool | None, echo: Echo, dataset: Any, worker_type: str, shuffle_buffer: Any,
+                   batch_size: int) -> bool:
+    """``deterministic``: as given, or by default wherever it can be: the
+    batches then depend on the seed alone, whatever the workers' timing (as a
+    DataLoader given a seeded generator), and a state can be taken mid-epoch.
+    Not with ``echo_factor="auto"`` (timing decides by design), worker processes
+    over an iterable (each reads its own shard), a Ray dataset (whose row order
+    may change between reads), or a shuffle buffer too small for the reorder
+    window (2 batches)."""
+    if asked is not None:
+        return asked
+    too_small = shuffle_buffer is not None and isinstance(shuffle_buffer, int) and shuffle_buffer < 2 * batch_size
+    iterable_ok = worker_type == "thread" and not isinstance(dataset, RayRows)
+    return not echo.auto and not too_small and (is_map_style(dataset) or iterable_ok)
 
 
 def _reads_in_order(shuffle: bool, echo: Echo, dataset: Any, worker_type: str) -> bool:
@@ -226,8 +276,11 @@ def _check_shuffle_buffer(value: Any, batch_size: int, echo: Echo, augment: bool
     given = value is not None
     if given:
         value = _checks.positive_int("shuffle_buffer", value, _core.MAX_CAPACITY)
+    elif echo.per_example:
+        # Room for two batches, so that a batch larger than the default is not refused.
+        value = min(max(DEFAULT_EXAMPLES, 2 * batch_size), _core.MAX_CAPACITY)
     else:
-        value = DEFAULT_EXAMPLES if echo.per_example else DEFAULT_BATCHES
+        value = DEFAULT_BATCHES
     if echo.per_example and value < batch_size:
         raise ValueError(f"shuffle_buffer: {value} examples cannot hold a batch of {batch_size}")
     if echo.per_example and (in_order or (deterministic and not given)):
@@ -325,37 +378,3 @@ def _check_device(device: Any) -> Any:
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise RuntimeError(f"device: {device}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
-
-
-def _check_processes(config: LoaderConfig) -> None:
-    """worker_type="process": a start method that works, and what workers get pickles."""
-    method = config.start_method
-    if method == "fork":
-        raise ValueError(
-            "multiprocessing_context: 'fork' is unsafe in a process that runs native threads (the buffer's "
-            "assembler); use 'forkserver' or 'spawn'"
-        )
-    if method not in multiprocessing.get_all_start_methods():
-        raise ValueError(f"multiprocessing_context: expected one of {multiprocessing.get_all_start_methods()}, "
-                         f"got {method!r}")
-    if config.workers > _core.MAX_WORKERS:
-        raise ValueError(f"num_workers: expected at most {_core.MAX_WORKERS} worker processes, got {config.workers}")
-    for name in ("dataset", "transform", "worker_init_fn"):
-        _check_picklable(name, getattr(config, name))
-    if config.deterministic and not config.map_style:
-        raise ValueError(
-            "deterministic: worker processes each read their own shard of an iterable, which "
-            "have no common order; use a map-style dataset, or worker_type='thread'"
-        )
-
-
-def _check_picklable(name: str, value: Any) -> None:
-    """Raises a TypeError naming ``name`` if ``value`` cannot be sent to a worker process."""
-    try:
-        pickle.dumps(value)
-    except Exception as exc:  # pickling can fail with many exception types
-        raise TypeError(
-            f"{name}: worker_type='process' sends it to worker processes, but it cannot be pickled "
-            f"({type(exc).__name__}: {exc}); define it at module level (not a lambda or a local "
-            f"function), or use worker_type='thread'"
-        ) from None

@@ -12,19 +12,13 @@ import numpy as np
 from ..tensors.convert import array_to_tensor, from_numpy, import_torch
 from ..tensors.nested import nested_from_packed
 from .fields import field_value
+from .given import row_of
 from .ragged import Padded, Ragged
 
 if TYPE_CHECKING:
     from .structure import Structure
 
 __all__ = ["leaf_to_torch", "padded_leaves", "read_only", "read_only_leaf", "row_of", "stack", "stack_leaf"]
-
-def row_of(leaf: Any, i: int) -> Any:
-    """Row ``i`` of a batch leaf: a view for arrays and ragged leaves, the object itself for a list."""
-    if isinstance(leaf, list):
-        return leaf[i]
-    return leaf[i] if isinstance(leaf, Ragged) else leaf[i, ...]
-
 
 def read_only_leaf(leaf: Any) -> Any:
     """A read-only view of an array or ragged leaf; a list of objects is copied

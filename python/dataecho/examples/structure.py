@@ -31,6 +31,7 @@ import numpy as np
 
 from ..tensors.raw import raw_bytes, raw_to_tensor
 from .fields import Field
+from .given import as_given, given_kind, row_of
 from .tree import (LEAVES, Mismatch, Node, as_leaf_array, build, columns_into, flatten_into, is_torch_tensor, join,
                    key_mismatch)
 
@@ -47,6 +48,8 @@ class Structure:
             leaf's ``((), object)``); a raw leaf's dtype is the unsigned integer
             that stores its bytes.
         kinds: per leaf, ``"array"``, ``"ragged"`` or ``"object"``.
+        given: per leaf, what the first example held there (see ``GIVEN``):
+            how :meth:`example` gives a row back as the dataset returned it.
         torch_dtypes: per leaf, a raw leaf's torch dtype (``"torch.bfloat16"``),
             else None.
         sample_bytes: per example it was inferred from, the bytes of its ragged
@@ -55,12 +58,14 @@ class Structure:
     """
 
     def __init__(self, root: Node, paths: list[str], specs: list[tuple[tuple[int, ...], np.dtype]],
-                 torch_dtypes: list[str | None] | None = None, kinds: list[str] | None = None):
+                 torch_dtypes: list[str | None] | None = None, kinds: list[str] | None = None,
+                 given: list[str] | None = None):
         self._root = root
         self.paths = paths
         self.specs = specs
         self.torch_dtypes = torch_dtypes or [None] * len(paths)
         self.kinds = kinds or ["array"] * len(paths)
+        self.given = given or ["array"] * len(paths)
         self.sample_bytes: dict[str, list[int]] = {"ragged": [], "object": []}
         self._has_raw = any(name is not None for name in self.torch_dtypes)
         self._leaf_nodes = [Node("raw", torch_dtype=name) if name is not None
@@ -87,6 +92,11 @@ class Structure:
                 axis, or a leaf whose shapes differ other than in the first axis.
         """
         return _Inference(ragged, strict).run(cls, [example, *others])
+
+    @property
+    def root(self) -> Node:
+        """The tree's top node (see dataecho.examples.tree)."""
+        return self._root
 
     @property
     def single(self) -> bool:
@@ -160,6 +170,13 @@ class Structure:
         it = iter(leaves if wrap is None else map(wrap, leaves))
         return build(self._root, it)
 
+    def example(self, leaves: Sequence[Any], i: int) -> Any:
+        """Row ``i`` of a batch's leaves as the dataset returned it: a Python
+        number as a Python number, a NumPy scalar as one, a tensor as a tensor
+        (over the batch memory), an array as a view, a list of numbers as a
+        list, an object as itself (what ``collate_fn`` is given)."""
+        return self.unflatten([as_given(row_of(leaf, i), given) for leaf, given in zip(leaves, self.given)])
+
 
 def _first_leaf(value: Any, path: str) -> tuple[np.ndarray, str | None]:
     """A leaf of the example a structure is inferred from, as an array, and its
@@ -191,6 +208,7 @@ class _Inference:
         self.specs: list[tuple[tuple[int, ...], np.dtype]] = []
         self.torch_dtypes: list[str | None] = []
         self.kinds: list[str] = []
+        self.given: list[str] = []
         self.sizes: dict[str, list[list[int]]] = {"ragged": [], "object": []}  # per leaf, per example
 
     def run(self, cls: type, examples: list) -> Structure:
@@ -201,7 +219,7 @@ class _Inference:
                              f"{[p or '' for p in self.paths]} (paths join dict keys and positions with '/')")
         if not self.kinds:
             raise TypeError("example: it holds no leaves (an empty container)")
-        structure = cls(root, self.paths, self.specs, self.torch_dtypes, self.kinds)
+        structure = cls(root, self.paths, self.specs, self.torch_dtypes, self.kinds, self.given)
         structure.sample_bytes = {kind: [sum(column) for column in zip(*sizes)] if sizes else []
                                   for kind, sizes in self.sizes.items()}
         return structure
@@ -222,9 +240,9 @@ class _Inference:
             self.same_length(values, path)
             children = tuple(self.visit([v[i] for v in values], join(path, f)) for i, f in enumerate(first._fields))
             return Node("namedtuple", tuple(first._fields), children, type(first))
-        if isinstance(first, tuple) or (isinstance(first, list) and not self.list_is_leaf(values, path)):
+        if isinstance(first, tuple) or (isinstance(first, (list, range)) and not self.list_is_leaf(values, path)):
             self.same_length(values, path)
-            kind = "tuple" if isinstance(first, tuple) else "list"
+            kind = "tuple" if isinstance(first, tuple) else "list"  # a range is collated per position, as a list
             return Node(kind, (), tuple(self.visit([v[i] for v in values], join(path, str(i)))
                                          for i in range(len(first))))
         return self.leaf(values, path)
@@ -232,10 +250,13 @@ class _Inference:
     def list_is_leaf(self, values: list, path: str) -> bool:
         """A list is one (ragged or object) leaf where it is declared ragged or
         its length varies among the examples; else a list of leaves."""
-        return path in self.declared or len({len(v) if isinstance(v, list) else -1 for v in values}) > 1
+        return path in self.declared or len({len(v) if isinstance(v, (list, range)) else -1 for v in values}) > 1
 
     def same_length(self, values: list, path: str) -> None:
-        if any(type(v) is not type(values[0]) or len(v) != len(values[0]) for v in values):
+        def kind(v: Any) -> type:
+            return list if isinstance(v, range) else type(v)  # a range stands for a list of ints
+
+        if any(kind(v) is not kind(values[0]) or len(v) != len(values[0]) for v in values):
             raise TypeError(f"example: the first examples differ at {path or 'the top'!r}: {_kinds(values)}")
 
     def leaf(self, values: list, path: str) -> Node:
@@ -245,27 +266,28 @@ class _Inference:
             if path in self.declared:
                 raise ValueError(f"ragged: leaf {name!r} holds {_kinds(values)}, not arrays")
             self.sizes["object"].append([len(_pickled(v)) for v in values])
-            return self.add(path, ((), np.dtype(object)), None, "object", Node("object"))
+            return self.add(path, ((), np.dtype(object)), None, "object", Node("object"), values[0])
         if any(t is not None for _, t in arrays):
             shapes = {a.shape for a, _ in arrays}
             if path in self.declared or len(shapes) > 1:
                 raise ValueError(f"example: leaf {name!r} is a tensor of a dtype NumPy lacks ({arrays[0][1]}) "
                                  f"whose length varies; ragged leaves need a NumPy dtype (convert it in transform)")
             return self.add(path, (arrays[0][0].shape, arrays[0][0].dtype), arrays[0][1], "array",
-                            Node("raw", torch_dtype=arrays[0][1]))
+                            Node("raw", torch_dtype=arrays[0][1]), "raw")
         arrays = [a for a, _ in arrays]
         shapes = {a.shape for a in arrays}
         if path not in self.declared and len(shapes) == 1:
-            return self.add(path, (arrays[0].shape, arrays[0].dtype), None, "array", Node("leaf"))
+            return self.add(path, (arrays[0].shape, arrays[0].dtype), None, "array", Node("leaf"), values[0])
         rows = {a.shape[1:] for a in arrays}
         if any(a.ndim == 0 for a in arrays) or len(rows) > 1:
             raise ValueError(f"example: leaf {name!r} has shapes {sorted(shapes)} in the first examples; only a "
                              f"leaf's first axis may vary (a ragged leaf)")
         filled = [a.dtype for a in arrays if a.size] or [arrays[0].dtype]
         self.sizes["ragged"].append([a.nbytes for a in arrays])
-        return self.add(path, (rows.pop(), np.result_type(*filled)), None, "ragged", Node("ragged"))
+        return self.add(path, (rows.pop(), np.result_type(*filled)), None, "ragged", Node("ragged"), values[0])
 
-    def add(self, path: str, spec: tuple, torch_dtype: str | None, kind: str, node: Node) -> Node:
+    def add(self, path: str, spec: tuple, torch_dtype: str | None, kind: str, node: Node, first: Any = None) -> Node:
+        self.given.append(given_kind(first))
         self.paths.append(path)
         self.specs.append(spec)
         self.torch_dtypes.append(torch_dtype)
@@ -277,9 +299,17 @@ def _array_of(value: Any, path: str) -> tuple[np.ndarray, str | None] | None:
     """A leaf value of the first examples as (array, raw torch dtype or None),
     or None for an object (anything but an array, a number, a CPU tensor, or a
     list of numbers)."""
+    if is_torch_tensor(value) and getattr(value, "is_nested", False):
+        raise TypeError(f"example: leaf {path!r} is a nested tensor, which cannot be stored; return its "
+                        f"components (value.unbind()) as leaves of their own, or one tensor whose first axis "
+                        f"varies (a ragged leaf)")
+    if isinstance(value, (np.str_, np.bytes_)):
+        return None  # a string, as DataLoader's collate lists it
     if isinstance(value, (np.ndarray, *_NUMBERS)) or is_torch_tensor(value):
         array, torch_dtype = _first_leaf(value, path)
         return None if array.dtype.hasobject else (array, torch_dtype)
+    if isinstance(value, range):
+        return np.arange(value.start, value.stop, value.step, dtype=np.int64), None
     if isinstance(value, list) and all(isinstance(v, _NUMBERS) for v in value):
         return np.asarray(value) if value else np.zeros(0, dtype=np.int64), None
     if hasattr(value, "__array_interface__") or hasattr(value, "__array__"):

@@ -31,6 +31,9 @@ def as_leaf_array(value: Any, path: str) -> np.ndarray:
     if is_torch_tensor(value):
         if value.device.type != "cpu":
             raise TypeError(f"example: leaf {path!r} is a torch tensor on {value.device}; expected a CPU tensor")
+        if getattr(value, "is_nested", False):
+            raise TypeError(f"example: leaf {path!r} is a nested tensor, which cannot be stored; return its "
+                            f"components (value.unbind()) as leaves of their own")
         try:
             return value.detach().numpy()
         except TypeError as exc:  # a dtype NumPy lacks (bfloat16, say): allowed only where the first example had it
@@ -100,7 +103,7 @@ def flatten_into(node: Node, value: Any, path: str, out: list[Any]) -> None:
         for key, child in zip(node.keys, node.children):
             flatten_into(child, value[key], join(path, key), out)
         return
-    expected = {"tuple": tuple, "list": list, "namedtuple": tuple}[node.kind]
+    expected = {"tuple": tuple, "list": (list, range), "namedtuple": tuple}[node.kind]
     if not isinstance(value, expected) or len(value) != len(node.children):
         got = f"a {type(value).__name__}" + (f" of length {len(value)}" if isinstance(value, (tuple, list)) else "")
         hint = ""

@@ -8,9 +8,10 @@ from typing import Any
 
 from .. import _core
 
-__all__ = ["MAX_PAGE_FOR_DEFAULT", "buffer_config", "page_heap", "ragged_heap"]
+__all__ = ["MAX_PAGE_FOR_DEFAULT", "PICKLED_FLOOR", "buffer_config", "page_heap", "ragged_heap"]
 
 MAX_PAGE_FOR_DEFAULT = 1 << 16  # the largest page chosen by default (bigger examples take several)
+PICKLED_FLOOR = 16 << 20  # the least ragged memory by default where objects travel pickled (worker processes)
 
 
 def buffer_config(**values: Any) -> _core.BufferConfig:
@@ -58,5 +59,7 @@ def ragged_heap(structure: Any, capacity: int, budget_bytes: int | None, objects
     mean = max(sum(sample) / len(sample), 1.0)
     if budget_bytes is None:
         scale = (2 * mean, max(sample)) if objects == "pickle" else (4 * mean, 2 * max(sample))
-        budget_bytes = max(int(capacity * max(scale)), 1 << 16)
+        # Pickled objects get room for one of 16 MiB at least: a later string
+        # longer than the first ones must not be refused where threads pass it.
+        budget_bytes = max(int(capacity * max(scale)), PICKLED_FLOOR if pickled else 1 << 16)
     return page_heap(budget_bytes, mean)

@@ -326,7 +326,7 @@ class AugmentStage:
             return self.output
 
 
-def check_state(state: dict, order: np.ndarray, where: str) -> dict[str, Any]:
+def check_state(spec: AugmentSpec, state: dict, order: np.ndarray, where: str) -> dict[str, Any]:
     """This stage's saved state, checked against the epoch's order and normalized:
     ``taken``, rows taken from upstream (the next delivery number); ``output``,
     its output buffer's state (resident rows named by delivery number), or None
@@ -350,8 +350,10 @@ def check_state(state: dict, order: np.ndarray, where: str) -> dict[str, Any]:
         checked["ended"] = checkpoint.bool_at(output, "ended", at)
         resident = checkpoint.array_at(output, "deliveries", np.uint64, at)
         echoes = checkpoint.array_at(output, "echoes", np.uint32, at)
-        if len(resident) != len(echoes) or (len(echoes) and echoes.min() == 0):
-            raise ValueError(f"{at}: expected an echo left for each resident row")
+        if len(resident) != len(echoes) or (len(echoes) and (echoes.min() == 0 or echoes.max() > 1)):
+            raise ValueError(f"{at}: expected one delivery left for each resident row (the output echoes nothing)")
+        if checked["ended"] and (len(resident) or checked["available"]):
+            raise ValueError(f"{at}['ended']: True, with rows resident")
         if not set(resident.tolist()) <= set(pending["deliveries"].tolist()) or checked["next_seq"] > taken:
             raise ValueError(f"{at}: resident rows that are not pending")
         if checked["available"] > len(resident):

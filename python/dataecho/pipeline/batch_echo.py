@@ -228,7 +228,7 @@ class BatchEchoStage:
         return whole + int(self._rng.random() < factor - whole)
 
 
-def check_state(state: dict, order: np.ndarray, where: str) -> dict[str, Any]:
+def check_state(spec: BatchEchoSpec, state: dict, order: np.ndarray, where: str) -> dict[str, Any]:
     """This stage's saved state, checked against the epoch's order and normalized.
 
     Raises:
@@ -242,8 +242,9 @@ def check_state(state: dict, order: np.ndarray, where: str) -> dict[str, Any]:
         at = f"{where}['entries'][{i}]"
         ids = checkpoint.ids_of(checkpoint.mapping(entry, at), order, at)
         left, deliveries = checkpoint.int_at(entry, "left", at), checkpoint.int_at(entry, "deliveries", at)
-        if not 1 <= left <= deliveries:
-            raise ValueError(f"{at}: expected 1 <= left <= deliveries, got {left} and {deliveries}")
+        most = math.ceil(spec.echo_factor if spec.echo_factor is not None else spec.max_echo)
+        if not 1 <= left <= deliveries <= most:
+            raise ValueError(f"{at}: expected 1 <= left <= deliveries <= {most}, got {left} and {deliveries}")
         checked_entries.append({**ids, "left": left, "deliveries": deliveries})
     last = state.get("last")
     if not isinstance(last, (int, np.integer)) or isinstance(last, bool) or not -1 <= last < len(entries):

@@ -6,6 +6,7 @@ first to last, each from its own spec and its own part of a checkpoint:
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -13,7 +14,7 @@ from typing import Any, Callable
 from ..examples.structure import Structure
 from ..reading.source import EpochSource
 from ..workers.failure import Failure
-from . import augment, batch_echo, delivery, intake
+from . import augment, batch_echo, checkpoint, delivery, intake
 from .checkpoint import StateCheck
 from .plan import Plan
 from .stage import Stage
@@ -22,13 +23,14 @@ __all__ = ["JOIN_TIMEOUT_S", "Chain", "build_chain", "state_checks"]
 
 JOIN_TIMEOUT_S = 5.0  # how long a stopped epoch waits for each stage's threads
 
-_CHECKS: dict[str, StateCheck] = {"intake": intake.check_state, "batch_echo": batch_echo.check_state,
+_CHECKS: dict[str, Callable[..., dict]] = {"intake": intake.check_state, "batch_echo": batch_echo.check_state,
                                   "augment": augment.check_state, "delivery": delivery.check_state}
 
 
 def state_checks(plan: Plan) -> dict[str, StateCheck]:
-    """Per stage whose state an exact checkpoint of ``plan``'s epochs holds, its check."""
-    return {name: _CHECKS[name] for name in plan.stage_names}
+    """Per stage whose state an exact checkpoint of ``plan``'s epochs holds, its
+    check, bound to the stage's spec (which bounds what it could have saved)."""
+    return {name: functools.partial(_CHECKS[name], getattr(plan, name)) for name in plan.stage_names}
 
 
 @dataclass
@@ -50,9 +52,45 @@ class Chain:
     pull_lock: threading.Lock = field(default_factory=threading.Lock)
     mode: str | None = None
 
+    @property
+    def resumable(self) -> bool:
+        """A state can be taken now: built, no stage failed, none refuses."""
+        return (self.mode is not None and self.failure.error is None and bool(self.stages)
+                and self.stages[0].unresumable is None)
+
+    def state(self, lock_timeout_s: float = -1) -> dict[str, Any] | None:
+        """{stage name: state} between two batches (see dataecho.pipeline.checkpoint),
+        or None before any stage exists (the epoch's start); ``lock_timeout_s``:
+        how long to wait for a stage thread's pull (-1: as long as it takes).
+
+        Raises:
+            ValueError: a stage whose state cannot be saved, with its reason.
+            TimeoutError: a stage thread's pull took longer than ``lock_timeout_s``.
+        """
+        if not self.stages:
+            return None
+        stages = self.stages if self.mode == "exact" else self.stages[:1]
+        for stage in stages:
+            if stage.unresumable is not None:
+                raise ValueError(f"state_dict: {stage.unresumable}")
+        # No batch is half-way between two stages meanwhile.
+        if not self.pull_lock.acquire(timeout=lock_timeout_s):
+            raise TimeoutError("a stage thread is still pulling a batch")
+        try:
+            return {stage.name: stage.state() for stage in stages}
+        finally:
+            self.pull_lock.release()
+
+    def counters(self) -> dict[str, Any]:
+        """Every stage's counters, in one dict (see dataecho.pipeline.stats)."""
+        found: dict[str, Any] = {}
+        for stage in self.stages:
+            found.update(stage.counters())
+        return found
+
 
 def build_chain(chain: Chain, plan: Plan, structure: Structure, source: EpochSource, first: Any,
-                resume: dict[str, Any] | None, on_failure: Callable[[], None]) -> None:
+                resume: dict[str, Any] | None, on_failure: Callable[[], None], probing: Any = None) -> None:
     """Builds and starts the stages of one epoch into ``chain``, first to last.
 
     A stage thread may fail while later stages are still being built: each
@@ -67,9 +105,11 @@ def build_chain(chain: Chain, plan: Plan, structure: Structure, source: EpochSou
         first: the examples read to learn the structure (put first), or none.
         resume: the epoch's state from a checkpoint ({stage name: state}), or None.
         on_failure: stops the epoch; stage threads call it after recording an error.
+        probing: workers that read the first examples and wait for the echo
+            buffer (dataecho.pipeline.intake.start_probe), or None.
     """
     try:
-        _build(chain, plan, structure, source, first, resume or {}, on_failure)
+        _build(chain, plan, structure, source, first, resume or {}, on_failure, probing)
     except BaseException:
         # Ctrl-C or an error part-way: the stages started so far stop too.
         for stage in reversed(chain.stages):
@@ -80,9 +120,13 @@ def build_chain(chain: Chain, plan: Plan, structure: Structure, source: EpochSou
 
 
 def _build(chain: Chain, plan: Plan, structure: Structure, source: EpochSource, first: Any,
-           states: dict[str, Any], on_failure: Callable[[], None]) -> None:
+           states: dict[str, Any], on_failure: Callable[[], None], probing: Any) -> None:
+    if states and plan.checkpoint == "exact" and source.order is None:
+        # An iterable resumes by reading itself again up to where its intake
+        # stood, keeping the examples the state names on the way.
+        source.keep(checkpoint.named_rows(states), int(states["intake"].get("next_seq", 0)))
     stage = intake.IntakeStage(plan.intake, source, structure, first, chain.failure, on_failure,
-                               states.get("intake"))
+                               states.get("intake"), probing)
     last: Stage = _add(chain, stage)
     read_batch = stage.read_batch
     if plan.batch_echo is not None:

@@ -4,13 +4,16 @@ check, and the pieces every stage's own check is made of.
 A state is a dict of ints, bools, dicts and NumPy arrays (picklable;
 ``torch.save`` takes it as it is). Examples are named, never stored:
 
-    format   "dataecho.EchoLoader/3"; a state of another format is refused
+    format   "dataecho.EchoLoader/4"; a state of another format is refused
     epoch    the epoch to resume (or to start, when ``stages`` is None)
     config   the arguments that decide the sequence of batches (seed, rank,
              world_size, the source's length, batch_size, echo_factor, echo_at,
              shuffle_buffer, shuffle, drop_last, deterministic, max_echo, and
              whether augment takes an rng); a loader loads only a state whose
              values are its own, and a mismatch names the argument
+    structure  the examples' structure (dataecho.examples.described), or None
+             if no example was read yet: a resumed loader takes it from here
+             rather than from the first examples it reads
     stages   None: the epoch starts from its beginning. Else {stage name: state}
              where the epoch stood between two batches (see
              dataecho.pipeline.plan). Each stage's module says what its state
@@ -35,24 +38,30 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..examples.described import described
+
 __all__ = ["FORMAT", "StateCheck", "array_at", "at", "batches_at", "bool_at", "check_state", "dict_at", "ids_of",
-           "int_at", "mapping"]
+           "int_at", "mapping", "named_rows"]
 
-FORMAT = "dataecho.EchoLoader/3"
+FORMAT = "dataecho.EchoLoader/4"
 
-# A stage's check: (its saved state, the epoch's order, where, for messages) -> the state normalized.
+# A stage's check, bound to its spec: (its saved state, the epoch's order, where, for messages) -> the
+# state normalized.
 StateCheck = Callable[[dict, np.ndarray, str], dict]
 
 
 def check_state(state: Any, fingerprint: dict[str, Any], checks: dict[str, StateCheck],
-                order_of: Callable[[int], np.ndarray | None]) -> dict[str, Any]:
+                order_of: Callable[[int, np.ndarray | None], np.ndarray | None], mode: str | None
+                ) -> dict[str, Any]:
     """Validates a state for a loader.
 
     Args:
         state: what ``state_dict()`` returned.
         fingerprint: the loader's ``LoaderConfig.fingerprint()``.
         checks: per stage an exact state of this loader holds, its check.
-        order_of: the reading order of a map-style source in an epoch (None for iterables).
+        order_of: the reading order of a map-style source in an epoch, given
+            the order the state saved (a sampler's) or None; None for iterables.
+        mode: how the loader takes states mid-epoch (dataecho.pipeline.plan.Plan.checkpoint).
 
     Returns:
         The state normalized (plain ints, arrays of fixed dtypes).
@@ -77,17 +86,24 @@ def check_state(state: Any, fingerprint: dict[str, Any], checks: dict[str, State
                 "a state resumes only a loader with the same arguments that decide its batches"
             )
     epoch = int_at(state, "epoch", "state")
-    out = {"format": FORMAT, "epoch": epoch, "config": dict(fingerprint), "stages": None}
+    structure = state.get("structure")
+    if structure is not None:
+        described(structure, "state['structure']")  # checked here; the loader takes it from the description
+    out = {"format": FORMAT, "epoch": epoch, "config": dict(fingerprint), "stages": None, "structure": structure}
     stages = state.get("stages")
     if stages is None:
         return out
     if not isinstance(stages, dict):
         raise ValueError("state['stages']: expected a dict or None")
-    order = order_of(epoch)
-    if order is None:
+    if mode == "skip":
         out["stages"] = {"intake": {"skip": int_at(dict_at(stages, "intake", "state['stages']"), "skip",
                                                     at("intake"))}}
         return out
+    intake = dict_at(stages, "intake", "state['stages']")
+    saved = array_at(intake, "order", np.int64, at("intake")) if "order" in intake else None
+    order = order_of(epoch, saved)
+    if order is None:  # an iterable: its examples are named by position, up to where intake had read
+        order = np.arange(int_at(intake, "next_seq", at("intake")))
     if set(stages) != set(checks):
         raise ValueError(f"state['stages']: expected the stages {list(checks)}, got {sorted(stages)}")
     out["stages"] = {name: check(dict_at(stages, name, "state['stages']"), order, at(name))
@@ -96,6 +112,26 @@ def check_state(state: Any, fingerprint: dict[str, Any], checks: dict[str, State
 
 
 # ---- pieces of the stages' checks ----
+
+
+def named_rows(stages: dict[str, Any]) -> set[int]:
+    """Every position a (checked) state names: resident examples and the rows
+    of batches on their way, in any stage: what a resumed epoch reads again."""
+    found: set[int] = set()
+
+    def visit(value: Any) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if key in ("rows", "positions") and isinstance(item, np.ndarray):
+                    found.update(item.tolist())
+                else:
+                    visit(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+
+    visit(stages)
+    return found
 
 
 def at(name: str) -> str:
@@ -113,10 +149,11 @@ def mapping(value: Any, where: str) -> dict:
     return value
 
 
-def int_at(state: dict, key: str, where: str) -> int:
+def int_at(state: dict, key: str, where: str, at_most: int = (1 << 64) - 1) -> int:
+    """An int in [0, at_most] (by default what the native 64-bit counters hold)."""
     value = state.get(key)
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"{where}[{key!r}]: expected an int >= 0, got {value!r}")
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not 0 <= value <= at_most:
+        raise ValueError(f"{where}[{key!r}]: expected an int in [0, {at_most}], got {value!r}")
     return int(value)
 
 
@@ -133,6 +170,8 @@ def array_at(state: dict, key: str, dtype: Any, where: str) -> np.ndarray:
         raise ValueError(f"{where}[{key!r}]: expected a 1-d integer array")
     if value.size and value.min() < 0:
         raise ValueError(f"{where}[{key!r}]: negative values")
+    if value.size and int(value.max()) > np.iinfo(dtype).max:
+        raise ValueError(f"{where}[{key!r}]: values beyond {np.iinfo(dtype).max}")
     return value.astype(dtype)
 
 
@@ -146,6 +185,8 @@ def ids_of(ids: dict, order: np.ndarray, where: str, deliveries: bool | None = F
         out["deliveries"] = array_at(ids, "deliveries", np.uint64, where)
         if len(out["deliveries"]) != len(out["rows"]):
             raise ValueError(f"{where}: rows and deliveries differ in length")
+    if "deliveries" in out and len(np.unique(out["deliveries"])) != len(out["deliveries"]):
+        raise ValueError(f"{where}['deliveries']: a delivery twice in one batch")
     return out
 
 

@@ -114,7 +114,7 @@ class DeliveryStage:
         return {}
 
 
-def check_state(state: dict, order: np.ndarray, where: str) -> dict[str, Any]:
+def check_state(spec: DeliverySpec, state: dict, order: np.ndarray, where: str) -> dict[str, Any]:
     """This stage's saved state, checked against the epoch's order and normalized.
 
     Raises:

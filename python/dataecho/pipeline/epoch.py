@@ -1,8 +1,13 @@
 """One pass over the source: the iterator ``iter(EchoLoader)`` returns.
 
-The epoch reads one example to learn the structure if it is not known yet,
-has :func:`dataecho.pipeline.chain.build_chain` start the stages of its plan, then pulls batches
-from the last stage, timing the waits. It stops and joins the stages, last to
+Where the examples' structure is known (a later epoch), the epoch has
+:func:`dataecho.pipeline.chain.build_chain` start the stages of its plan at
+once. Otherwise its workers start reading the first examples
+(dataecho.workers.probe) and the first ``next()`` learns the structure from
+them and builds the chain; with ``num_workers=0`` that ``next()`` reads them
+itself. Either way no user code runs in ``iter(loader)``'s thread, and an error
+in the first reads, or a timeout, comes from ``next()``, as with DataLoader.
+The epoch then pulls batches from the last stage, timing the waits. It stops and joins the stages, last to
 first, at the end, on an error, on ``close()``, or when it is dropped (a loop
 left early). Its state for a checkpoint is ``{stage name: stage.state()}``.
 """
@@ -14,14 +19,31 @@ import time
 import warnings
 from typing import Any, Callable
 
-from ..examples.leaves import leaf_to_torch, padded_leaves, row_of
 from ..examples.structure import Structure
-from ..reading.source import EpochSource
+from ..reading.source import SAMPLE, EpochSource
 from .chain import JOIN_TIMEOUT_S, Chain, build_chain
+from .intake import start_probe
+from .output import output_of
 from .plan import Plan
 from .stage import Batch, weakly
 
 __all__ = ["Epoch"]
+
+
+def _inferred(first: list[Any], spec: Any, source: EpochSource) -> Structure | None:
+    """The structure of the first examples (None for none: an empty epoch)."""
+    declared = set(spec.declared_ragged) | source.declared_ragged()
+    return None if not first else Structure.infer(first[0], first[1:], declared, strict=spec.strict)
+
+
+LEAVE_WAIT_S = 2.0  # how long a dropped epoch waits for a stage thread's pull to take its state
+
+
+def _probe_size(plan: Plan) -> int:
+    """Examples read to learn the structure: SAMPLE, and at least one per
+    worker, so that every worker reads before any waits (a dataset may wait
+    for all its workers, at a barrier)."""
+    return max(SAMPLE, plan.intake.workers.count)
 
 
 class Epoch:
@@ -32,8 +54,10 @@ class Epoch:
         epoch: the epoch number.
         structure: the examples' structure if known (from an earlier epoch), else None.
         resume: {stage name: state} from a checkpoint, or None.
-        on_finish: called once at the end with this epoch's counters and the
-            per-worker counters.
+        on_finish: called once at the end with this epoch's counters, the
+            per-worker counters, and the state it stood at when its consumer
+            left it part-way (a loop left with ``break``), or None.
+        on_structure: called with the structure once the first examples told it.
         owner: kept alive while the epoch is (the loader: ``for b in
             EchoLoader(...)`` holds only the epoch).
         pool: the loader's persistent worker processes, or None.
@@ -47,11 +71,13 @@ class Epoch:
     """
 
     def __init__(self, plan: Plan, epoch: int, structure: Structure | None,
-                 resume: dict[str, Any] | None, on_finish: Callable[[dict, list], None], owner: Any = None,
-                 pool: Any = None, memory: Any = None) -> None:
+                 resume: dict[str, Any] | None, on_finish: Callable[[dict, list, Any], None], owner: Any = None,
+                 pool: Any = None, memory: Any = None,
+                 on_structure: Callable[[Structure], None] = lambda structure: None) -> None:
         self.epoch = epoch
         self._owner = owner
         self._spec, self._on_finish = plan.output, on_finish
+        self._left: dict[str, Any] | None = None
         self._closed = False
         self._state = "running"  # then "complete", "stopped" or "failed" (see dataecho.pipeline.stats)
         self._superseded = False  # ended by a later iter(loader): its next() says so
@@ -59,26 +85,65 @@ class Epoch:
         self._started = time.perf_counter()
         self._wait_s, self._delivered, self._batches = 0.0, 0, 0
         self._chain = Chain(mode=plan.checkpoint)
+        self._probing: Any = None  # workers reading the first examples before the chain exists
+        self._built = False  # the chain exists (built at once, or by the first next() once the structure is known)
+        self._plan, self._resume, self._on_structure = plan, resume, on_structure
         map_style = plan.source.order is not None
         skip = (resume or {}).get("intake", {}).get("skip", 0) if not map_style else 0
-        source = EpochSource(plan.source, epoch, skip, pool, memory)
+        saved_order = (resume or {}).get("intake", {}).get("order")
+        self._source = EpochSource(plan.source, epoch, skip, pool, memory, saved_order)
+        self.structure = structure
         try:
-            first: list[Any] = []
-            if structure is None:
-                first = source.first()
-                declared = set(plan.output.declared_ragged) | source.declared_ragged()
-                structure = None if not first else Structure.infer(first[0], first[1:], declared,
-                                                                   strict=plan.output.strict)
-            self.structure = structure
-            if structure is not None:
-                build_chain(self._chain, plan, structure, source, first, resume, weakly(self.abort))
+            if structure is not None and resume is None:
+                self._build(structure, [])  # a resumed chain reads examples again: in next(), as errors come
+            elif structure is None and plan.intake.workers.kind != "inline" and resume is None:
+                # The workers read the first examples; the chain is built from them in next().
+                self._probing = start_probe(plan.intake, self._source, _probe_size(plan),
+                                            self._chain.failure, weakly(self.abort))
         except BaseException:
             self.close()
             raise
 
+    def _build(self, structure: Structure, first: list[Any], probing: Any = None) -> None:
+        build_chain(self._chain, self._plan, structure, self._source, first, self._resume, weakly(self.abort),
+                    probing)
+        self._built = True
+
+    def _start_chain(self, timeout_s: float | None) -> None:
+        """The first next(), where iter() did not build the chain: learns the
+        structure, where not known, from the first examples (read by the
+        workers, or here with ``num_workers=0``), and builds the chain.
+
+        Raises:
+            TimeoutError: the workers' first examples did not come within ``timeout_s``.
+        """
+        structure, probing, first = self.structure, self._probing, []
+        if structure is None:
+            first = probing.probe.examples(timeout_s) if probing is not None else self._source.first()
+            if first is None:  # a worker failed, or the epoch was stopped
+                self._chain.failure.raise_if_set()
+                raise StopIteration
+            structure = self.structure = _inferred(first, self._spec, self._source)
+            if structure is None:  # an empty epoch
+                self._built = True
+                return
+            self._on_structure(structure)
+        self._build(structure, first if probing is None else [], probing)
+        self._probing = None  # the intake stage owns them now
+
     @property
     def stages(self) -> list[Any]:
         return self._chain.stages
+
+    def start(self, timeout_s: float | None = None) -> None:
+        """Builds the stages now, as the first ``next()`` would (waiting for the
+        first examples where the structure is not known yet).
+
+        Raises:
+            TimeoutError: the first examples did not come within ``timeout_s``.
+        """
+        if not self._built and not self._closed:
+            self._start_chain(timeout_s)
 
     # ---- consuming ----
 
@@ -122,13 +187,17 @@ class Epoch:
             self._wait_s += time.perf_counter() - start
         self._batches += 1
         self._delivered += len(batch)
-        return self._output(batch)
+        return output_of(self._spec, batch)
 
     def _next_batch(self) -> Batch:
-        if self._closed or not self._chain.stages:
+        if self._closed:
             raise StopIteration
         timeout = self._spec.timeout_s
         try:
+            if not self._built:
+                self._start_chain(timeout)
+            if not self._chain.stages:
+                raise StopIteration
             return self._chain.stages[-1].next(timeout)
         except TimeoutError:
             if timeout is None:
@@ -136,40 +205,22 @@ class Epoch:
             raise RuntimeError(f"EchoLoader timed out after {timeout:g} seconds (timeout={timeout:g}) "
                                f"waiting for a batch") from None
 
-    def _output(self, batch: Batch) -> Any:
-        output = self._spec
-        wrap = leaf_to_torch if output.to_torch else None
-        if output.collate_fn is not None:
-            # Each example as views of its rows of the batch (no copy), in the batch's order.
-            examples = [batch.structure.unflatten([row_of(a, i) for a in batch.arrays], wrap=wrap)
-                        for i in range(len(batch))]
-            return output.collate_fn(examples)
-        leaves = batch.arrays
-        if output.padding is not None:
-            leaves = padded_leaves(leaves, output.padding)
-        return batch.structure.unflatten(leaves, wrap=wrap)
-
     # ---- checkpoints and counters ----
 
-    def state(self) -> dict[str, Any]:
-        """{stage name: state} between two batches (see dataecho.pipeline.checkpoint).
+    def state(self, lock_timeout_s: float = -1) -> dict[str, Any] | None:
+        """{stage name: state} between two batches, or None before the first
+        batch (the epoch's start); see Chain.state.
 
         Raises:
             ValueError: a stage whose state cannot be saved, with its reason.
         """
-        chain = self._chain
-        stages = chain.stages if chain.mode == "exact" else chain.stages[:1]
-        for stage in stages:
-            if stage.unresumable is not None:
-                raise ValueError(f"state_dict: {stage.unresumable}")
-        with chain.pull_lock:  # no batch is half-way between two stages meanwhile
-            return {stage.name: stage.state() for stage in stages}
+        if not self._built and self._resume is not None:
+            return self._resume  # resumed, no batch taken yet: where the loaded state stood
+        return self._chain.state(lock_timeout_s)
 
     def counters(self) -> dict[str, Any]:
         """This epoch's counters (see dataecho.pipeline.stats), from every stage."""
-        stages: dict[str, Any] = {}
-        for stage in self._chain.stages:
-            stages.update(stage.counters())
+        stages = self._chain.counters()
         return {
             "epoch": self.epoch,
             "state": self._state,
@@ -185,6 +236,8 @@ class Epoch:
         }
 
     def worker_counters(self) -> list[dict[str, float]]:
+        if self._probing is not None:  # still reading the first examples
+            return self._probing.counters()
         return self._chain.stages[0].counters()["workers"] if self._chain.stages else []
 
     @property
@@ -198,6 +251,8 @@ class Epoch:
         leaving); callable from any thread."""
         for stage in reversed(self._chain.stages):
             stage.stop()
+        if self._probing is not None:
+            self._probing.stop()
 
     def close(self) -> None:
         """Stops this epoch's threads and processes and waits for them (idempotent)."""
@@ -222,11 +277,21 @@ class Epoch:
         self.abort()
         for stage in reversed(self._chain.stages):
             stage.join(JOIN_TIMEOUT_S if wait else 0.0)
-        self._on_finish(self.counters(), self.worker_counters())
+        if self._probing is not None:
+            self._probing.join(JOIN_TIMEOUT_S if wait else 0.0)
+        self._on_finish(self.counters(), self.worker_counters(), self._left)
 
     def __del__(self) -> None:
         # The last reference went (the loop left, the loader was deleted): stop
-        # every stage. Threads are not waited for (one may be inside the user's
-        # code); each ends at its next put. Worker processes are reaped.
-        if not getattr(self, "_closed", True):
-            self._finish(wait=False)
+        # every stage, keeping the epoch's position first where it can be saved
+        # (for state_dict(), as StatefulDataLoader after a `break`), waiting a
+        # bounded time for a stage thread's pull. Threads are not waited for
+        # (one may be in user code); worker processes are reaped.
+        if getattr(self, "_closed", True):
+            return
+        if self._batches > 0 and self._chain.resumable:
+            try:
+                self._left = self.state(LEAVE_WAIT_S)
+            except Exception:  # noqa: BLE001 - no state then: a later state_dict() gives the next epoch's start
+                self._left = None
+        self._finish(wait=False)

@@ -18,6 +18,7 @@ restored).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -40,9 +41,10 @@ from ..workers.threads import Producers
 from . import checkpoint
 from .stage import Batch
 
-__all__ = ["IntakeSpec", "IntakeStage", "check_state"]
+__all__ = ["IntakeSpec", "IntakeStage", "check_state", "start_probe"]
 
 _SNAPSHOT_KEYS = ("batches", "rng_state", "next_seq", "available")
+_RESIDENT_PUT_S = 10.0  # how long a resumed resident example may wait for room (there is none to wait for)
 
 
 @dataclass(frozen=True)
@@ -90,16 +92,20 @@ class IntakeStage:
         spec: the stage's settings.
         source: this epoch's view of the source.
         structure: the examples' structure.
-        first: the examples read (transformed) to learn the structure, or none;
-            they are put first, numbered 0, 1, ...
+        first: the examples read (transformed) to learn the structure in the
+            consumer's thread (``num_workers=0``), or none; they are put first,
+            numbered 0, 1, ...
         failure, on_failure: where a producer's exception goes, and what stops the epoch.
         resume: this stage's state from a checkpoint, or None.
+        probing: workers that read the first examples (dataecho.workers.probe)
+            and wait for the buffer, which this stage attaches; or None.
     """
 
     name = "intake"
 
     def __init__(self, spec: IntakeSpec, source: EpochSource, structure: Structure, first: list[Any],
-                 failure: Failure, on_failure: Callable[[], None], resume: dict[str, Any] | None = None) -> None:
+                 failure: Failure, on_failure: Callable[[], None], resume: dict[str, Any] | None = None,
+                 probing: Producers | ProcessProducers | None = None) -> None:
         self._spec, self._source, self.structure = spec, source, structure
         self.unresumable = spec.unresumable
         self._map_style = source.order is not None
@@ -109,27 +115,37 @@ class IntakeStage:
         self._buffer: NativeBuffer | None = None
         self._producers: Producers | ProcessProducers | InlineReader | None = None
         if resume is not None and resume.get("ended"):
+            self._read_at_end = int(resume.get("next_seq", 0))
             return  # nothing more to assemble: only the queued batches
         shared = spec.workers.kind == "process"
         objects = "pickle" if shared else "key"
-        self._buffer = NativeBuffer(structure.fields(), self._buffer_config(objects, shared),
+        # A resumed buffer gets at least the ragged memory the saved one had: its
+        # resident examples fit there, and are all put back before any batch.
+        saved_bytes = resume.get("ragged_bytes", 0) if resume and spec.exact else 0
+        self._buffer = NativeBuffer(structure.fields(), self._buffer_config(objects, shared, saved_bytes),
                                     _restore_snapshot(resume) if spec.exact and resume else None,
                                     None if shared else source.memory, objects)
         try:
             if spec.pinned_batches:
                 pin_batch_memory(self._buffer, spec.pinned_batches)
-            self._start(first, resume, failure, on_failure)
+            if probing is not None:
+                self._attach(probing)
+            else:
+                self._start(first, resume, failure, on_failure)
         except BaseException:
             self.stop()  # not in the chain yet: nothing else would stop its threads
             self.join(0.0)
             raise
 
-    def _buffer_config(self, objects: str, shared: bool) -> _core.BufferConfig:
+    def _buffer_config(self, objects: str, shared: bool, saved_bytes: int = 0) -> _core.BufferConfig:
         spec = self._spec
         capacity = spec.capacity
-        if spec.bounded:  # no more slots than the epoch has examples (with room for the reorder window)
-            capacity = min(capacity, max(len(self._source), 2 * spec.batch_size))
+        if spec.bounded and self._source.length is not None:
+            # No more slots than the epoch has examples (with room for the reorder window).
+            capacity = min(capacity, max(self._source.length, 2 * spec.batch_size))
         pages, page_bytes = ragged_heap(self.structure, capacity, spec.ragged_bytes, objects)
+        if page_bytes and saved_bytes > pages * page_bytes:
+            pages = min(-(-saved_bytes // page_bytes), _core.MAX_PAGES)
         return buffer_config(
             capacity=capacity, pages=pages, page_bytes=page_bytes, batch_size=spec.batch_size,
             echo_factor=spec.echo_factor, auto_echo=spec.auto_echo, max_echo=spec.max_echo,
@@ -140,7 +156,8 @@ class IntakeStage:
     def _start(self, first: list[Any], resume: dict[str, Any] | None, failure: Failure,
                on_failure: Callable[[], None]) -> None:
         spec, buffer, source, map_style = self._spec, self._buffer, self._source, self._map_style
-        if (map_style and resume is not None) or not (map_style or spec.workers.kind != "process"):
+        exact_resume = resume is not None and spec.exact
+        if (map_style and resume is not None) or exact_resume or not (map_style or spec.workers.kind != "process"):
             first = []  # they only told the structure (the order resumes; worker processes read their own shards)
         # The first examples go in while they fit at once: this thread must not
         # wait on a buffer whose batches nobody takes yet. The rest are put by
@@ -153,9 +170,14 @@ class IntakeStage:
             # Positions of the order are claimed by producers (threads or
             # processes) from a counter in the buffer's region; a position is
             # also the example's sequence number for deterministic intake.
-            buffer.set_index_range(start, len(source))
+            buffer.set_index_range(start, source.end)
             if resume is not None:
                 self._put_resident(resume["positions"])
+        elif exact_resume:
+            # An iterable read again up to next_seq (EpochSource.keep): the
+            # resident examples were kept on the way; reading goes on after them.
+            start = resume["next_seq"]
+            self._put_resident(resume["positions"])
         ready = [] if map_style else first[start:]
         if spec.workers.kind == "inline":
             self._producers = InlineReader(buffer, self.structure, source, first_seq=start, ready=ready)
@@ -165,6 +187,14 @@ class IntakeStage:
         else:
             self._producers = Producers(buffer, self.structure, source, spec.workers, failure, on_failure)
             self._producers.start(first_seq=start, ready=ready)
+
+    def _attach(self, probing: Producers | ProcessProducers) -> None:
+        """Gives the buffer to workers that read the first examples: they put
+        those, then read on (map-style: from the position after them)."""
+        self._producers = probing
+        if self._map_style:
+            self._buffer.set_index_range(probing.probed, self._source.end)
+        probing.attach(self._buffer, self.structure)
 
     def _put_first(self, first: list[Any]) -> int:
         """Puts the first examples, numbered from 0, until one does not go in at
@@ -185,7 +215,15 @@ class IntakeStage:
         structure, source = self.structure, self._source
         with ThreadPoolExecutor(max_workers=min(self._spec.workers.count, len(positions))) as pool:
             for position, example in zip(positions, pool.map(source.read, positions)):
-                self._buffer.put_values(structure.flatten(example), seq=position)
+                try:
+                    # Nothing is drawn before every resident example is back: a put
+                    # that cannot go in soon never will.
+                    self._buffer.put_values(structure.flatten(example), timeout_s=_RESIDENT_PUT_S, seq=position)
+                except TimeoutError:
+                    raise RuntimeError(
+                        f"load_state_dict: the resident example at position {position} does not fit the resumed "
+                        f"echo buffer (its ragged values need more than ragged_bytes="
+                        f"{self._buffer.stats()['pages'] * self._buffer.page_bytes}); raise ragged_bytes") from None
 
     # ---- the stage ----
 
@@ -245,20 +283,25 @@ class IntakeStage:
     def state(self) -> dict[str, Any] | None:
         if self.unresumable is not None:
             return None
-        if not self._map_style:
+        if not self._spec.exact:
             return {"skip": self._skipped + self.counters()["fresh"]}
         replayed = list(self._replay)
         if self._buffer is None:  # resumed after the end: nothing resident, every position read
             empty = np.zeros(0, dtype=np.uint64)
-            return {"batches": 0, "rng_state": 0, "next_seq": len(self._source), "available": 0,
+            return {"batches": 0, "rng_state": 0, "next_seq": self._read_at_end, "available": 0,
                     "positions": empty, "indices": empty.astype(np.int64), "echoes": empty.astype(np.uint32),
                     "queued": replayed, "ended": True}
         snap = self._buffer.snapshot()
         state = {key: int(getattr(snap, key)) for key in _SNAPSHOT_KEYS}
+        state["ragged_bytes"] = self._buffer.stats()["pages"] * self._buffer.page_bytes
         positions = snap.seqs
+        # An iterable's examples are named by their position in the iteration alone.
+        order = self._source.order if self._map_style else np.arange(int(snap.next_seq))
+        if self._source.sampled:  # a sampler may not give this order again: it is saved
+            state["order"] = _compact(order if isinstance(order, np.ndarray) else order.read)
         state.update(
             positions=positions,
-            indices=np.asarray(self._source.order, dtype=np.int64)[positions.astype(np.int64)],
+            indices=np.asarray(order[positions.astype(np.int64)], dtype=np.int64),
             echoes=snap.echoes,
             queued=replayed + [{"rows": rows} for rows in snap.queued],
             ended=bool(snap.ended),
@@ -280,6 +323,25 @@ class IntakeStage:
         }
 
 
+def _compact(indices: Any) -> np.ndarray:
+    """A saved order in the smallest unsigned dtype that holds it."""
+    indices = np.asarray(indices)
+    top = int(indices.max()) if len(indices) else 0
+    return indices.astype(np.uint32 if top < (1 << 32) else np.uint64)
+
+
+def start_probe(spec: IntakeSpec, source: EpochSource, size: int, failure: Failure,
+                on_failure: Callable[[], None]) -> Producers | ProcessProducers:
+    """Starts the workers of ``spec`` reading the first ``size`` examples of an
+    epoch whose structure is not known yet (dataecho.workers.probe); their
+    ``probe`` gives the examples, and ``IntakeStage(probing=...)`` the buffer."""
+    if spec.workers.kind == "process":
+        return ProcessProducers(None, None, source, spec.workers, failure, on_failure, source.pool, probe=size)
+    producers = Producers(None, None, source, spec.workers, failure, on_failure)
+    producers.start_probe(size)
+    return producers
+
+
 def _restore_snapshot(state: dict[str, Any]) -> _core.Snapshot:
     snap = _core.Snapshot()
     for key in _SNAPSHOT_KEYS:
@@ -288,14 +350,16 @@ def _restore_snapshot(state: dict[str, Any]) -> _core.Snapshot:
     return snap
 
 
-def check_state(state: dict, order: np.ndarray, where: str) -> dict[str, Any]:
-    """This stage's saved state, checked against the epoch's order and normalized.
+def check_state(spec: IntakeSpec, state: dict, order: np.ndarray, where: str) -> dict[str, Any]:
+    """This stage's saved state, checked against ``spec`` and the epoch's order,
+    and normalized: every value within what this stage could have saved.
 
     Raises:
         ValueError: a state this stage could not have saved, naming the key.
     """
     checked: dict[str, Any] = {key: checkpoint.int_at(state, key, where) for key in _SNAPSHOT_KEYS}
     checked["ended"] = checkpoint.bool_at(state, "ended", where)
+    checked["ragged_bytes"] = checkpoint.int_at(state, "ragged_bytes", where) if "ragged_bytes" in state else 0
     positions = checkpoint.array_at(state, "positions", np.uint64, where)
     echoes = checkpoint.array_at(state, "echoes", np.uint32, where)
     indices = checkpoint.array_at(state, "indices", np.int64, where)
@@ -309,8 +373,19 @@ def check_state(state: dict, order: np.ndarray, where: str) -> dict[str, Any]:
         raise ValueError(f"{where}: the resident examples' indices do not match this epoch's order")
     if len(echoes) and echoes.min() == 0:
         raise ValueError(f"{where}['echoes']: every resident example has an echo left")
+    most = math.ceil(spec.echo_factor)
+    if len(echoes) and echoes.max() > most:
+        raise ValueError(f"{where}['echoes']: at most {most} echoes left per example at echo_factor="
+                         f"{spec.echo_factor:g}, got {int(echoes.max())}")
+    if checked["ended"] and (len(positions) or checked["available"]):
+        raise ValueError(f"{where}['ended']: True, with examples resident")
     if checked["available"] > len(positions):
         raise ValueError(f"{where}['available']: more than the resident examples")
-    checked.update(positions=positions, echoes=echoes, indices=indices,
-                   queued=checkpoint.batches_at(state, "queued", order, where))
+    queued = checkpoint.batches_at(state, "queued", order, where)
+    for i, batch in enumerate(queued):  # near the end of an epoch a batch may hold an example more than once
+        if len(batch["rows"]) and np.unique(batch["rows"], return_counts=True)[1].max() > most:
+            raise ValueError(f"{where}['queued'][{i}]['rows']: an example more than {most} times in one batch")
+    checked.update(positions=positions, echoes=echoes, indices=indices, queued=queued)
+    if "order" in state:
+        checked["order"] = checkpoint.array_at(state, "order", np.int64, where)
     return checked

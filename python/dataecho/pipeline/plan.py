@@ -42,7 +42,9 @@ class OutputSpec:
 
     Attributes:
         to_torch: host batches are handed out as torch tensors (``output="torch"`` without a device).
-        collate_fn: called with the batch's examples; its result is yielded.
+        batched: False for ``batch_size=None``: each batch of one is yielded as its example.
+        collate_fn: called with the batch's examples (or, not batched, the
+            example), each as the dataset returned it; its result is yielded.
         padding: ragged leaves padded on the host (no device), or None.
         timeout_s: how long to wait for a batch (None: for ever).
         declared_ragged: leaf paths declared ragged.
@@ -52,6 +54,7 @@ class OutputSpec:
     """
 
     to_torch: bool
+    batched: bool
     collate_fn: Callable[[list], Any] | None
     padding: int | str | None
     timeout_s: float | None
@@ -102,9 +105,10 @@ def plan(config: LoaderConfig) -> Plan:
         source=source, intake=_intake(config, source, exact), batch_echo=batch_echo,
         augment=_augment(config, exact) if config.augment is not None else None,
         delivery=DeliverySpec(config.device, config.padding) if exact or config.device is not None else None,
-        output=OutputSpec(config.output == "torch" and config.device is None, config.collate_fn, config.padding if config.device is None else None,
+        output=OutputSpec(config.output == "torch" and config.device is None, config.batched, config.collate_fn,
+                          config.padding if config.device is None else None,
                           config.timeout, config.ragged or frozenset(), config.augment is None,
-                          config.deterministic),
+                          config.deterministic_given),
         checkpoint=_checkpoint(config),
         batches_per_epoch=lambda: _batches_per_epoch(config, order),
     )

@@ -29,6 +29,8 @@ def source_array(source: Any) -> np.ndarray | None:
             return None
     if array.ndim < 1 or array.dtype.hasobject or array.dtype.itemsize == 0:
         return None
+    if array.ndim == 1 and array.dtype.kind in "US":
+        return None  # examples are NumPy strings, which batches list as DataLoader does (object leaves)
     return array
 
 
@@ -77,6 +79,9 @@ class ArrayReader:
 
     def chunks(self, first: int, count: int, columns: Columns) -> Iterator[Chunk]:
         indices = np.asarray(self._order[first:first + count], dtype=np.int64)  # checked by epoch_order
+        count = len(indices)  # fewer where a lazily read order ends before
+        if not count:
+            return
         yield first, count, [
             (array, indices) if direct
             else to_field_array(np.take(array, indices, axis=0), field, count, "put()")

@@ -61,7 +61,11 @@ class ArrowReader:
         return {name: column[0] for name, column in columns.items()}
 
     def chunks(self, first: int, count: int, columns: Columns) -> Iterator[Chunk]:
-        read = self._read(self._order[first:first + count])
+        indices = np.asarray(self._order[first:first + count])
+        count = len(indices)  # fewer where a lazily read order ends before
+        if not count:
+            return
+        read = self._read(indices)
         if list(read) != columns.structure.paths:
             raise ValueError(f"source: columns {list(read)} differ from the first example's {columns.structure.paths}")
         yield first, count, columns.carry([_converted(value, field, count)

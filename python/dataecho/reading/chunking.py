@@ -37,7 +37,12 @@ def claimed(claim_range: Any, chunk: int, reader: Any, columns: Columns) -> Iter
         first, count = claim_range(chunk)
         if count == 0:
             return
-        yield from reader.chunks(first, count, columns)
+        read = False
+        for item in reader.chunks(first, count, columns):
+            read = True
+            yield item
+        if not read:  # a lazily read order ended before `first` (dataecho.reading.sampled)
+            return
 
 
 def chunked(iterator: Iterator[Any], first_seq: int = 0, blocks: bool = False) -> Iterator[tuple[int, list | RowBlock]]:

@@ -33,8 +33,12 @@ class ExampleReader:
         return self._transformed(example)
 
     def chunks(self, first: int, count: int, columns: Columns) -> Iterator[Chunk]:
-        """Positions [first, first + count), read and converted, in chunks."""
+        """Positions [first, first + count), read and converted, in chunks
+        (fewer where a lazily read order ends before)."""
         indices = self._order[first:first + count].tolist()
+        count = len(indices)
+        if not count:
+            return
         if self._getitems is not None:
             try:
                 examples = list(self._getitems(indices))

@@ -3,17 +3,19 @@ reads in an epoch, and in which order.
 
 Without a ``sampler`` it is this rank's shard of a permutation seeded by (seed,
 epoch), the same on every rank (see dataecho.reading.sharding). With one it is what
-the sampler yields, taken once at the start of the epoch and not sharded again:
-as in DataLoader, a sampler (``DistributedSampler``, say) decides.
+the sampler yields (dataecho.reading.sampled), not sharded again: as in
+DataLoader, a sampler (``DistributedSampler``, say) decides.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from .sampled import LazyOrder, sampled_order
 from .sharding import Shard
 
 __all__ = ["LoaderSampler", "OrderSpec", "order_seed"]
@@ -44,8 +46,9 @@ class OrderSpec:
     seed: int
     drop_last: bool
 
-    def order(self, epoch: int) -> np.ndarray:
-        """The dataset indices read in ``epoch``, in reading order.
+    def order(self, epoch: int) -> np.ndarray | LazyOrder:
+        """The dataset indices read in ``epoch``, in reading order (a sampler's
+        as dataecho.reading.sampled reads it: a LazyOrder where it has no length).
 
         Raises:
             TypeError, IndexError: a sampler that yields something else than
@@ -54,14 +57,17 @@ class OrderSpec:
         length = len(self.dataset)
         if self.sampler is None:
             return self.shard.order(length, self.shuffle, order_seed(self.seed, epoch), self.drop_last)
-        try:
-            order = np.fromiter((int(i) for i in self.sampler), dtype=np.int64)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"sampler: expected it to yield int indices ({exc})") from None
-        if len(order) and (order.min() < 0 or order.max() >= length):
-            bad = order[(order < 0) | (order >= length)][0]
-            raise IndexError(f"sampler: yielded index {bad}, outside the dataset's {length} examples")
-        return order
+        return sampled_order(self.sampler, length)
+
+    def resumed(self, saved: np.ndarray) -> np.ndarray | LazyOrder:
+        """A sampler's order of an epoch resumed from a state, which saved the
+        indices it had read (all of them, for a sampler with a length): a
+        sampler that draws a new order each time (``RandomSampler``) is not
+        asked again for the positions the state names. A sampler without a
+        length goes on from where the saved indices end."""
+        if hasattr(self.sampler, "__len__"):
+            return saved
+        return LazyOrder(itertools.islice(iter(self.sampler), len(saved), None), len(self.dataset), saved)
 
     def examples_per_epoch(self) -> int:
         """Examples this rank reads per epoch."""

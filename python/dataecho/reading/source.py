@@ -10,7 +10,8 @@ of them again.
 from __future__ import annotations
 
 import itertools
-import pickle
+import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -22,15 +23,27 @@ from ..examples.structure import Structure
 from .chunking import CHUNK
 from .order import OrderSpec
 from .readers import map_reader
+from .sampled import LazyOrder
 
-__all__ = ["SAMPLE", "EpochSource", "Pickled", "SourceSpec", "is_map_style"]
+__all__ = ["SAMPLE", "EpochSource", "SourceSpec", "is_map_style"]
 
 SAMPLE = 8  # examples read first, to learn the structure (which leaves vary in length)
 
 
 def is_map_style(source: Any) -> bool:
-    """A dataset read by index: ``__len__`` and ``__getitem__`` (not a str or bytes)."""
-    return hasattr(source, "__len__") and hasattr(source, "__getitem__") and not isinstance(source, (str, bytes))
+    """A dataset read by index: ``__len__`` and ``__getitem__`` (not a str or
+    bytes), and not a torch ``IterableDataset``, which is iterable-style whatever
+    else it defines (torch's ``Dataset`` base class defines ``__getitem__``, so
+    an ``IterableDataset`` with ``__len__`` would otherwise look map-style)."""
+    if isinstance(source, (str, bytes)) or not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
+        return False
+    return not _is_torch_iterable(source)
+
+
+def _is_torch_iterable(source: Any) -> bool:
+    # Only where torch is already imported: a torch dataset cannot exist otherwise.
+    data = sys.modules.get("torch.utils.data")
+    return data is not None and isinstance(source, data.IterableDataset)
 
 
 @dataclass(frozen=True)
@@ -72,48 +85,91 @@ class EpochSource:
             echo buffer, augment output].
         pool: the loader's WorkerPool (``persistent_workers``), or None.
         memory: the loader's ``_core.BlockCache`` for the echo buffer, or None.
-        for_workers: the source pickled once (worker processes), taken before
-            this process reads from it, so that its reads do not leak into the
-            workers' copies; else (or for running persistent workers) None.
+        iterator: iterable sources: the iterator, made by whoever first asks for
+            it (a reading thread: ``__iter__`` is user code, and the training
+            loop's thread does not run it when workers read).
     """
 
     def __init__(self, spec: SourceSpec, epoch: int, skip: int = 0, pool: Any = None,
-                 memory: Any = None) -> None:
+                 memory: Any = None, saved_order: np.ndarray | None = None) -> None:
         self.spec = spec
         self.epoch = epoch
         self.pool, self.memory = pool, memory
         self.transform, self.chunk = spec.transform, spec.chunk
-        # Persistent workers that are running have their copy: no need to pickle it again.
-        kept = pool is not None and pool.running
-        self.for_workers = Pickled(spec.dataset) if spec.for_processes and not kept else None
         self.order: np.ndarray | None = None
-        self.iterator: Iterator[Any] | None = None
         self.reader: Any = None
+        self._skip = skip
+        self._iterator: Iterator[Any] | None = None
+        self._iterator_lock = threading.Lock()
         if spec.order is not None:
             # The same permutation on every rank (seeded by seed and epoch alone),
             # of which this rank reads its shard.
-            self.order = spec.order.order(epoch)
+            self.order = spec.order.order(epoch) if saved_order is None else spec.order.resumed(saved_order)
             self.reader = map_reader(spec.dataset, spec.transform, self.order)
-        else:
-            self.iterator = itertools.islice(iter(spec.dataset), skip, None) if skip else iter(spec.dataset)
         # The shuffle, echo and worker seeds differ per rank.
         seeds = np.random.SeedSequence([spec.seed, epoch, spec.rank]).generate_state(4, dtype=np.uint64)
         self.seeds = [int(s) for s in seeds]
 
-    def pickled(self) -> Pickled:
-        """``for_workers``, or the source pickled now where it was not (the
-        persistent workers it was left out for have died since)."""
-        return self.for_workers if self.for_workers is not None else Pickled(self.spec.dataset)
+    @property
+    def iterator(self) -> Iterator[Any]:
+        with self._iterator_lock:
+            if self._iterator is None:
+                iterator = iter(self.spec.dataset)
+                self._iterator = itertools.islice(iterator, self._skip, None) if self._skip else iterator
+            return self._iterator
 
     def __len__(self) -> int:
-        """Positions in this epoch's order (map-style sources)."""
+        """Positions in this epoch's order (map-style sources; of a sampler
+        without a length, those read so far)."""
         return 0 if self.order is None else len(self.order)
+
+    @property
+    def length(self) -> int | None:
+        """Positions in this epoch's order; None where a sampler without a length decides it."""
+        return None if self.order is None or isinstance(self.order, LazyOrder) else len(self.order)
+
+    @property
+    def end(self) -> int:
+        """The end of the positions producers may claim (beyond a lazy order's
+        end a claim reads nothing, and the producer stops)."""
+        return self.length if self.length is not None else 1 << 62
+
+    @property
+    def sampled(self) -> bool:
+        """The order is a sampler's: a state saves it (see OrderSpec.resumed)."""
+        return self.spec.order is not None and self.spec.order.sampler is not None
+
+    def available(self, count: int) -> int:
+        """Map-style: how many of the first ``count`` positions exist."""
+        if isinstance(self.order, LazyOrder):
+            return self.order.available(count)
+        return min(count, len(self))
+
+    def keep(self, positions: set[int], count: int) -> None:
+        """An iterable source resumed: reads its first ``count`` examples again,
+        keeping those at ``positions`` (the examples a checkpoint names: resident
+        or in batches on their way), so that ``read`` gives them; reading then
+        goes on from position ``count``.
+
+        Raises:
+            ValueError: the source now has fewer than ``count`` examples.
+        """
+        iterator, kept = self.iterator, {}
+        for position in range(count):
+            example = next(iterator, _END)
+            if example is _END:
+                raise ValueError(f"load_state_dict: the source ended after {position} examples, but the state was "
+                                 f"saved after {count} were read; a resumed iterable must yield what it yielded "
+                                 f"before")
+            if position in positions:
+                kept[position] = example
+        self.reader = _Kept(kept, self.transformed)
 
     def first(self) -> list[Any]:
         """The first examples, transformed (up to SAMPLE; none for an empty
         epoch): positions 0, 1, ... of a map-style order, or the iterator's first."""
         if self.order is not None:
-            return [self.read(position) for position in range(min(SAMPLE, len(self.order)))]
+            return [self.read(position) for position in range(self.available(SAMPLE))]
         return [self.transformed(example) for example in itertools.islice(self.iterator, SAMPLE)]
 
     def declared_ragged(self) -> set[str]:
@@ -138,12 +194,14 @@ class EpochSource:
         return stack(structure, [structure.flatten(self.read(int(p))) for p in rows])
 
 
-class Pickled:
-    """A value pickled once, so that every worker gets the same bytes (and the
-    parent's later reads from it do not leak into the workers' copies)."""
+_END = object()
 
-    def __init__(self, value: Any) -> None:
-        self._bytes = pickle.dumps(value)
 
-    def __reduce__(self) -> tuple:
-        return pickle.loads, (self._bytes,)
+class _Kept:
+    """The examples of a resumed iterable source that a checkpoint names, by position."""
+
+    def __init__(self, examples: dict[int, Any], transformed: Callable[[Any], Any]) -> None:
+        self._examples, self._transformed = examples, transformed
+
+    def one(self, position: int) -> Any:
+        return self._transformed(self._examples[position])

@@ -22,6 +22,7 @@ from ..native.buffer import NativeBuffer
 from . import child
 from .failure import Failure
 from .pool import reap
+from .probe import Probe
 
 from ..reading.source import EpochSource
 from .pool import WorkerPool
@@ -36,6 +37,30 @@ PROCESS_GRACE_S = 2.0  # a stopped worker gets this long to exit before it is te
 def default_start_method() -> str:
     """forkserver where it exists (fast starts, no fork of a threaded parent), else spawn."""
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+def _worker_spec(worker: int, spec: WorkersSpec, buffer: NativeBuffer | None, structure: Structure | None,
+                 source: EpochSource, probe: int, persistent: bool) -> child.WorkerSpec:
+    """What worker number ``worker`` is started with (see dataecho.workers.child)."""
+    return child.WorkerSpec(
+        region=buffer.region_name if buffer is not None else None,
+        fields=buffer.fields if buffer is not None else None,
+        structure=structure,
+        # The dataset itself, pickled as Process() pickles its arguments, so
+        # that what pickles only by inheritance (multiprocessing locks, values,
+        # events) reaches the workers, as with DataLoader.
+        source=source.spec.dataset,
+        transform=source.transform,
+        worker_id=worker,
+        num_workers=spec.count,
+        seed=(source.seeds[1] + 7919 * (worker + 1)) % (1 << 63),
+        map_style=source.order is not None,
+        order=source.order,
+        worker_init_fn=spec.worker_init_fn,
+        chunk=source.chunk,
+        probe=probe,
+        persistent=persistent,
+    )
 
 
 class RemoteTraceback(Exception):
@@ -65,13 +90,14 @@ class ProcessProducers:
 
     def __init__(
         self,
-        buffer: NativeBuffer,
-        structure: Structure,
+        buffer: NativeBuffer | None,
+        structure: Structure | None,
         source: EpochSource,
         spec: WorkersSpec,
         failure: Failure,
         on_failure: Callable[[], None],
         pool: WorkerPool | None = None,
+        probe: int = 0,
     ) -> None:
         self._buffer = buffer
         self._failure = failure
@@ -79,8 +105,12 @@ class ProcessProducers:
         self._stop = threading.Event()
         self.workers = spec.count
         self._pool = pool
+        # No buffer yet: the workers read the probe first (see dataecho.workers.probe).
+        self.probe = Probe(probe, spec.count) if buffer is None else None
+        self._probed = source.available(probe) if source.order is not None else probe
         self._processes: list[Any] = []
         self._pipes: list[Any] = []
+        self._tasks: list[Any] = []
         self._lifeline: Any = None
         self._monitor: threading.Thread | None = None
         self._ready: set[int] = set()
@@ -105,40 +135,28 @@ class ProcessProducers:
         if spec.start_method == "forkserver":
             context.set_forkserver_preload(["dataecho.workers.child"])
         workers, buffer = self.workers, self._buffer
-        tasks: list[Any] = []
         # The lifeline: this process holds its only write end and never writes, so
         # every worker's read end sees EOF the moment this process is gone, however
         # it dies (SIGKILL, the OOM killer). The workers' parent is the forkserver,
         # which outlives us, so watching the parent would not do.
         lifeline, self._lifeline = context.Pipe(duplex=False)
         for worker in range(workers):
-            task = child.WorkerSpec(
-                region=buffer.region_name,
-                fields=buffer.fields,
-                structure=structure,
-                source=source.pickled(),
-                transform=source.transform,
-                worker_id=worker,
-                num_workers=workers,
-                seed=(source.seeds[1] + 7919 * (worker + 1)) % (1 << 63),
-                map_style=source.order is not None,
-                order=source.order,
-                worker_init_fn=spec.worker_init_fn,
-                chunk=source.chunk,
-            )
+            task = _worker_spec(worker, spec, buffer, structure, source, self._probed if buffer is None else 0,
+                                self._pool is not None)
             receiver, sender = context.Pipe(duplex=False)
-            args: tuple = (task, sender, lifeline)
-            if self._pool is not None:  # persistent: later epochs come over a task pipe
-                task_reader, task_writer = context.Pipe(duplex=False)
-                args, tasks = (*args, task_reader), [*tasks, task_writer]
+            # The buffer after the probe, and with persistent workers later epochs, come over a task pipe.
+            task_reader, task_writer = context.Pipe(duplex=False)
+            self._tasks.append(task_writer)
+            args: tuple = (task, sender, lifeline, task_reader)
             process = context.Process(target=child.main, args=args, name=f"dataecho-worker-{worker}", daemon=True)
             process.start()
             sender.close()  # the child holds the only writer: EOF means it is gone
+            task_reader.close()
             self._processes.append(process)
             self._pipes.append(receiver)
         lifeline.close()  # the workers hold the read ends
         if self._pool is not None:
-            self._pool.adopt(self._processes, self._pipes, tasks, self._lifeline)
+            self._pool.adopt(self._processes, self._pipes, self._tasks, self._lifeline)
 
     def _continue(self, pool: WorkerPool, structure: Structure, source: EpochSource) -> None:
         """Persistent workers: this epoch goes to the pool's idle workers."""
@@ -147,10 +165,29 @@ class ProcessProducers:
         pool.next_epoch({"region": buffer.region_name, "fields": buffer.fields, "structure": structure,
                          "order": source.order})
 
+    def attach(self, buffer: NativeBuffer, structure: Structure) -> None:
+        """The buffer, once the probe told the structure: every worker maps it,
+        puts what it read for the probe, and reads on (map-style: the positions
+        its claim counter hands out, set by the caller)."""
+        self._buffer = buffer
+        update = {"region": buffer.region_name, "fields": buffer.fields, "structure": structure}
+        for task in self._tasks:
+            try:
+                task.send(update)
+            except OSError:  # that worker is gone: the monitor says why
+                pass
+
+    @property
+    def probed(self) -> int:
+        """Map-style: positions the probe reads (0 to this - 1)."""
+        return self._probed
+
     # ---- lifecycle ----
 
     def stop(self) -> None:
         self._stop.set()
+        if self.probe is not None:
+            self.probe.stop()
 
     def join(self, timeout_s: float = PROCESS_GRACE_S) -> None:
         """Waits for the workers (the buffer must be closed or aborted first), then
@@ -160,11 +197,20 @@ class ProcessProducers:
         if self._pool is not None:
             self._join_pool(deadline)
             return
+        if self.probe is not None and self._buffer is None:  # stopped before the buffer came
+            self.probe.stop()
+            for task in self._tasks:
+                try:
+                    task.send(None)
+                except OSError:
+                    pass
         reap(self._processes, deadline)
         self._stop.set()
         if self._monitor is not None:
             self._monitor.join(timeout_s)
-        self._buffer.unlink_region()
+        if self._buffer is not None:
+            self._buffer.unlink_region()
+        self._tasks.clear()
         # Dropping the connections closes them. (Not close(): when a loader is
         # collected in a reference cycle, a connection's own finalizer may have
         # closed its descriptor already, and the number may be in use again.)
@@ -176,9 +222,11 @@ class ProcessProducers:
         if self._monitor is not None:
             self._monitor.join(max(0.0, deadline - time.monotonic()))
         finished = self._monitor is None or not self._monitor.is_alive()
-        if not (finished and self._failure.error is None and self._await_done(deadline)):
+        if not (finished and self._failure.error is None and self._buffer is not None
+                and self._await_done(deadline)):
             self._pool.close(max(0.0, deadline - time.monotonic()))
-        self._buffer.unlink_region()
+        if self._buffer is not None:
+            self._buffer.unlink_region()
         self._lifeline = None
 
     def _await_done(self, deadline: float) -> bool:
@@ -203,6 +251,8 @@ class ProcessProducers:
     def counters(self) -> list[dict[str, float]]:
         """Per worker: its process id, examples produced and seconds busy reading
         and transforming."""
+        if self._buffer is None:
+            return [{"pid": process.pid, "produced": 0, "busy_s": 0.0} for process in self._processes]
         return [
             {"pid": process.pid, "produced": produced, "busy_s": busy_ns * 1e-9}
             for process, (produced, busy_ns) in zip(self._processes, self._buffer.worker_counters(self.workers))
@@ -220,7 +270,7 @@ class ProcessProducers:
                     self._receive(obj, pipes, ready, done)
                 elif obj in sentinels:
                     self._exited(sentinels.pop(obj), pipes, ready, done)
-            if len(ready) == self.workers:
+            if len(ready) == self.workers and self._buffer is not None:
                 self._buffer.unlink_region()  # all mapped: nothing left in /dev/shm
             if len(done) == self.workers:
                 self._buffer.close()  # every example is committed: drain and end
@@ -234,8 +284,15 @@ class ProcessProducers:
         except (EOFError, OSError):
             pipes.pop(pipe)  # the worker exited; its sentinel says how
             return
+        except Exception as error:  # a probe's examples that do not unpickle here
+            self._fail(TypeError(f"dataset: examples a worker read cannot be unpickled by the loader, which "
+                                 f"learns their structure from them ({type(error).__name__}: {error})"))
+            return
         kind, worker = message[0], message[1]
-        if kind == "ready":
+        if kind == "probe":
+            self.probe.offer(message[2])
+            self.probe.finish()
+        elif kind == "ready":
             ready.add(worker)
         elif kind == "done":
             done.add(worker)
@@ -264,4 +321,6 @@ class ProcessProducers:
 
     def _fail(self, error: BaseException) -> None:
         if self._failure.set(error):
+            if self.probe is not None:
+                self.probe.stop()  # wakes an epoch waiting for the first examples
             self._on_failure()

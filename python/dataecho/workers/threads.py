@@ -10,6 +10,7 @@ all of them. Either way a chunk goes into the buffer in one native call
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -22,6 +23,7 @@ from ..native.buffer import NativeBuffer
 from ..reading.chunking import chunked, claimed
 from ..reading.source import EpochSource
 from .failure import Failure
+from .probe import Probe, ProbePositions
 from .spec import WorkersSpec
 
 __all__ = ["AUTO_THREADS", "Producers"]
@@ -45,8 +47,8 @@ class Producers:
 
     def __init__(
         self,
-        buffer: NativeBuffer,
-        structure: Structure,
+        buffer: NativeBuffer | None,
+        structure: Structure | None,
         source: EpochSource,
         spec: WorkersSpec,
         failure: Failure,
@@ -54,6 +56,7 @@ class Producers:
     ) -> None:
         self._buffer = buffer
         self._structure = structure
+        self.probe: Probe | None = None  # reading the first examples before the buffer exists
         self._source = source
         self._transform = source.transform
         self._worker_init_fn = spec.worker_init_fn
@@ -76,77 +79,108 @@ class Producers:
         if self._source.order is not None:
             self.start_map()
         else:
-            self.start_iterable(self._source.iterator, first_seq, ready or [])
+            self.start_iterable(first_seq, ready or [])
+
+    def start_probe(self, size: int) -> Probe:
+        """Starts reading with no buffer yet: the first ``size`` examples (map-style:
+        positions 0 to ``size - 1``) go to the returned probe and are kept by the
+        threads that read them until :meth:`attach` (see dataecho.workers.probe)."""
+        map_style = self._source.order is not None
+        offerers = 1 if map_style and self._auto_limit > 1 else self._workers
+        if not map_style and self._transform is None:
+            offerers = 1  # the one reading thread
+        self.probe = Probe(size, offerers)
+        self._probe_positions = ProbePositions(self._source.available(size) if map_style else 0)
+        self.start()
+        return self.probe
+
+    @property
+    def probed(self) -> int:
+        """Map-style: positions the probe reads (0 to this - 1)."""
+        return self._probe_positions.count
+
+    def attach(self, buffer: NativeBuffer, structure: Structure) -> None:
+        """The buffer, once the probe's examples told the structure: the
+        threads put what they kept, then read on into it (map-style: the
+        positions its claim counter hands out, set by the caller)."""
+        self._columns = Columns(structure, buffer.fields, buffer.codec)
+        self._structure = structure
+        self._buffer = buffer  # last: a thread that sees it finds the rest set
+        self.probe.attach(buffer)
 
     def start_map(self) -> None:
         """Reads the positions of the order that the buffer's claim counter
         hands out (set by the caller), a chunk at a time, on every worker; a
         position is also the example's sequence number."""
-        self._columns = Columns(self._structure, self._buffer.fields, self._buffer.codec)
+        if self.probe is None:
+            self._columns = Columns(self._structure, self._buffer.fields, self._buffer.codec)
         self._growth = _Growth(self._auto_limit)
         self._spawn([self._read_map] * self._workers)
 
-    def start_iterable(self, iterator: Iterator[Any], first_seq: int = 0, ready: list | None = None) -> None:
-        """Reads ``iterator`` on one thread, in chunks (dataecho.reading.chunking.chunked);
-        transforms on ``workers`` threads. Examples are numbered in reading order
-        from ``first_seq``, ``ready`` ones (read and transformed) first."""
-        ready = ready or []
-        chunks = chunked(iterator, first_seq + len(ready), blocks=self._transform is None)
-        columns = Columns(self._structure, self._buffer.fields, self._buffer.codec)
-
-        def put_ready() -> None:
-            if ready:
-                self._buffer.put_each(columns.of(ready), len(ready), first_seq)
-
+    def start_iterable(self, first_seq: int = 0, ready: list | None = None) -> None:
+        """Reads the source's iterator (made in the reading thread) on one thread,
+        in chunks (dataecho.reading.chunking.chunked); transforms on ``workers``
+        threads. Examples are numbered in reading order from ``first_seq``,
+        ``ready`` ones (read and transformed) first."""
+        if self.probe is None:
+            self._columns = Columns(self._structure, self._buffer.fields, self._buffer.codec)
+        chunks = _numbered(self._source, first_seq, ready or [], blocks=self._transform is None)
         if self._transform is None:
-
-            def read() -> None:
-                counter = self._counters.setdefault(threading.current_thread(), [0, 0.0])
-                put_ready()
-                started = time.perf_counter()
-                for seq, examples in chunks:
-                    counter[1] += time.perf_counter() - started
-                    if self._stop.is_set():
-                        return
-                    self._buffer.put_each(columns.of(examples), len(examples), seq)
-                    counter[0] += len(examples)
-                    started = time.perf_counter()
-
-            self._spawn([read], initialized=1)
+            self._spawn([functools.partial(self._read_chunks, chunks)], initialized=1)
             return
         handoff: queue.Queue = queue.Queue(maxsize=2 * self._workers)
+        self._spawn([functools.partial(self._transform_chunks, handoff)] * self._workers
+                    + [functools.partial(self._hand_off, chunks, handoff)], initialized=self._workers)
 
-        def read_and_hand_off() -> None:
-            try:
-                put_ready()
-                for item in chunks:
-                    if not self._offer(handoff, item):
-                        return
-            finally:
-                for _ in range(self._workers):
-                    self._offer(handoff, _END)
+    def _read_chunks(self, chunks: Iterator[tuple[int, Any, bool]]) -> None:
+        """The one reading thread of an iterable without ``transform``: puts its chunks."""
+        counter = self._counters.setdefault(threading.current_thread(), [0, 0.0])
+        sink = _Sink(self)
+        started = time.perf_counter()
+        for seq, examples, _ in chunks:
+            counter[1] += time.perf_counter() - started
+            if self._stop.is_set() or not sink.put(seq, examples):
+                return
+            counter[0] += len(examples)
+            started = time.perf_counter()
+        sink.finish()
 
-        def work() -> None:
-            counter = self._counters.setdefault(threading.current_thread(), [0, 0.0])
-            while not self._stop.is_set():
-                try:
-                    item = handoff.get(timeout=0.05)
-                except queue.Empty:
-                    continue
-                if item is _END:
+    def _hand_off(self, chunks: Iterator[tuple[int, Any, bool]], handoff: queue.Queue) -> None:
+        """The reading thread of an iterable with ``transform``: hands its chunks to the workers."""
+        try:
+            for item in chunks:
+                if not self._offer(handoff, item):
                     return
-                seq, examples = item
-                started = time.perf_counter()
-                examples = [self._transform(example) for example in examples]
-                counter[1] += time.perf_counter() - started
-                self._buffer.put_each(columns.of(examples), len(examples), seq)
-                counter[0] += len(examples)
+        finally:
+            for _ in range(self._workers):
+                self._offer(handoff, _END)
 
-        self._spawn([work] * self._workers + [read_and_hand_off], initialized=self._workers)
+    def _transform_chunks(self, handoff: queue.Queue) -> None:
+        """A worker of an iterable with ``transform``: transforms the chunks handed to it, and puts them."""
+        counter = self._counters.setdefault(threading.current_thread(), [0, 0.0])
+        sink = _Sink(self)
+        while not self._stop.is_set():
+            try:
+                item = handoff.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if item is _END:
+                sink.finish()
+                return
+            seq, examples, transformed = item
+            started = time.perf_counter()
+            if not transformed:
+                examples = [self._transform(example) for example in examples]
+            counter[1] += time.perf_counter() - started
+            if not sink.put(seq, examples):
+                return
+            counter[0] += len(examples)
 
     def _read_map(self) -> None:
         """One worker of ``start_map`` (a method, not a closure: a closure that
         spawns more of itself would hold itself, and the buffer, in a cycle)."""
+        if self.probe is not None and not self._probe_map():
+            return
         buffer, growth = self._buffer, self._growth
         counter = self._counters.setdefault(threading.current_thread(), [0, 0.0])
         first_worker = threading.current_thread() is self._threads[0]
@@ -163,11 +197,28 @@ class Producers:
                 return
             started, cpu = time.perf_counter(), time.thread_time()
 
+    def _probe_map(self) -> bool:
+        """Reads positions of the probe while there are any, then waits for the
+        buffer and puts them; False if the epoch stopped first."""
+        kept = []
+        while (position := self._probe_positions.take()) is not None and not self._stop.is_set():
+            kept.append((position, self._source.read(position)))
+            self.probe.offer(kept[-1:])
+        self.probe.finish()
+        buffer = self.probe.buffer()
+        if buffer is None:
+            return False
+        for position, example in kept:
+            buffer.put_values(self._structure.flatten(example), seq=position)
+        return True
+
     # ---- stopping ----
 
     def stop(self) -> None:
         """Asks every thread to stop; callers abort the buffer to release blocked puts."""
         self._stop.set()
+        if self.probe is not None:
+            self.probe.stop()
 
     def join(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -209,13 +260,15 @@ class Producers:
             pass  # the pipeline is shutting down
         except BaseException as error:  # handed to the consumer, which raises it
             if self._failure.set(error):
+                if self.probe is not None:
+                    self.probe.stop()  # wakes an epoch waiting for the first examples
                 self._on_failure()
             return
         finally:
             with self._lock:
                 self._running -= 1
                 last = self._running == 0
-        if last and not self._stop.is_set():
+        if last and not self._stop.is_set() and self._buffer is not None:
             self._buffer.close()
 
     def _offer(self, handoff: queue.Queue, item: Any) -> bool:
@@ -226,6 +279,56 @@ class Producers:
             except queue.Full:
                 continue
         return False
+
+
+def _numbered(source: EpochSource, first_seq: int, ready: list, blocks: bool) -> Iterator[tuple[int, Any, bool]]:
+    """An iterable source's chunks as (number of the first, examples,
+    transformed): ``ready`` ones (read and transformed) first, then the
+    iterator's, numbered on from ``first_seq``."""
+    if ready:
+        yield first_seq, ready, True
+    for seq, examples in chunked(source.iterator, first_seq + len(ready), blocks=blocks):
+        yield seq, examples, False
+
+
+class _Sink:
+    """Where one reading thread's chunks go: to the probe, kept by the thread,
+    until the buffer is attached; then, what was kept first, to the buffer."""
+
+    def __init__(self, producers: Producers) -> None:
+        self._producers = producers
+        self._kept: list[tuple[int, Any]] | None = [] if producers.probe is not None else None
+
+    def put(self, seq: int, examples: Any) -> bool:
+        """Puts a chunk numbered from ``seq``; False if the epoch stopped first."""
+        producers = self._producers
+        if self._kept is not None:  # probing
+            self._kept.append((seq, examples))
+            probe = producers.probe
+            if producers._buffer is None:
+                rows = list(examples)  # a block of rows (Ray) as examples
+                probe.offer([(seq + i, example) for i, example in enumerate(rows)])
+                if not probe.complete:
+                    return True
+            return self._put_kept()
+        producers._buffer.put_each(producers._columns.of(examples), len(examples), seq)
+        return True
+
+    def finish(self) -> bool:
+        """This thread has nothing more to read: the probe is told, and what it kept is put."""
+        if self._kept is None:
+            return True
+        self._producers.probe.finish()
+        return self._put_kept()
+
+    def _put_kept(self) -> bool:
+        buffer = self._producers.probe.buffer()
+        if buffer is None:
+            return False
+        kept, self._kept = self._kept, None
+        for seq, examples in kept:
+            buffer.put_each(self._producers._columns.of(examples), len(examples), seq)
+        return True
 
 
 class _Growth:

@@ -1,0 +1,112 @@
+"""The reading order a ``sampler`` gives, as DataLoader reads it.
+
+A sampler with ``__len__`` is read once per epoch, at its start, for
+``len(sampler)`` indices (so a sampler that would yield for ever gives one
+epoch of them, as ``len(loader)`` says). A sampler without ``__len__`` (a
+stream, a sampler that samples for ever) is read lazily, a block of indices at
+a time as the workers claim positions (:class:`LazyOrder`), never all at once.
+Every index is checked as it is read: an integral number (``int``, a NumPy or
+0-d torch integer) within the dataset, else a ``TypeError`` or ``IndexError``
+naming ``sampler``; nothing is coerced.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import threading
+from typing import Any, Iterator
+
+import numpy as np
+
+__all__ = ["LazyOrder", "checked_indices", "sampled_order"]
+
+_BLOCK = 1024  # indices read from a lazy sampler at a time
+
+
+def sampled_order(sampler: Any, length: int) -> np.ndarray | LazyOrder:
+    """The indices ``sampler`` yields for one epoch, checked against a dataset
+    of ``length`` examples: all of them where it has a length, else lazily."""
+    if not hasattr(sampler, "__len__"):
+        return LazyOrder(iter(sampler), length)
+    count = len(sampler)
+    order = checked_indices(itertools.islice(iter(sampler), count), length)
+    return order
+
+
+def checked_indices(items: Iterator[Any], length: int, limit: int = -1) -> np.ndarray:
+    """Up to ``limit`` items (all for -1) as int64 indices of a dataset of ``length`` examples.
+
+    Raises:
+        TypeError: an item that is not an integral number.
+        IndexError: an index outside the dataset.
+    """
+    if limit >= 0:
+        items = itertools.islice(items, limit)
+    return np.fromiter((_index(item, length) for item in items), dtype=np.int64)
+
+
+def _index(item: Any, length: int) -> int:
+    try:
+        index = operator.index(item)
+    except TypeError:
+        raise TypeError(f"sampler: expected it to yield int indices, got {item!r} ({type(item).__name__})") from None
+    if not 0 <= index < length:
+        raise IndexError(f"sampler: yielded index {index}, outside the dataset's {length} examples")
+    return index
+
+
+class LazyOrder:
+    """The order of a sampler without ``__len__``, read as positions are needed.
+
+    Indexing by an int or a slice reads the sampler up to there (a slice past
+    the end is cut short); indexing by an array of positions looks only at what
+    was read. Thread-safe: the workers claim positions concurrently.
+
+    Args:
+        iterator: the sampler's iterator for this epoch.
+        length: the dataset's length (indices are checked against it).
+        prefix: indices already known for the first positions (a resume), or None.
+    """
+
+    def __init__(self, iterator: Iterator[Any], length: int, prefix: np.ndarray | None = None) -> None:
+        self._iterator, self._length = iterator, length
+        self._values = np.zeros(_BLOCK, dtype=np.int64) if prefix is None else np.array(prefix, dtype=np.int64)
+        self._count = 0 if prefix is None else len(prefix)
+        self._ended = False
+        self._lock = threading.Lock()
+
+    @property
+    def read(self) -> np.ndarray:
+        """The indices read so far (a view)."""
+        return self._values[:self._count]
+
+    def available(self, count: int) -> int:
+        """Reads up to ``count`` positions; how many there are (fewer at the end)."""
+        self._extend(count)
+        return min(count, self._count)
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, slice):
+            self._extend(key.stop if key.stop is not None else -1)
+            return self.read[key]
+        if isinstance(key, (int, np.integer)):
+            self._extend(int(key) + 1)
+            if key >= self._count:
+                raise IndexError(f"position {key}: the sampler ended after {self._count} indices")
+            return self._values[key]
+        return self.read[key]
+
+    def _extend(self, end: int) -> None:
+        """Reads the sampler until ``end`` positions are known (-1: to its end)."""
+        with self._lock:
+            while (end < 0 or self._count < end) and not self._ended:
+                block = checked_indices(self._iterator, self._length, _BLOCK)
+                if len(block) < _BLOCK:
+                    self._ended = True
+                if self._count + len(block) > len(self._values):
+                    grown = np.zeros(max(2 * len(self._values), self._count + len(block)), dtype=np.int64)
+                    grown[:self._count] = self._values[:self._count]
+                    self._values = grown
+                self._values[self._count:self._count + len(block)] = block
+                self._count += len(block)
