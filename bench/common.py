@@ -89,10 +89,12 @@ class Records:
         nbytes: bytes per example.
         spin: iterations of a pure-Python loop per read (decoding that holds the GIL).
         delay_s: a sleep per read (I/O that releases the GIL).
+        tail: reads of one example in ten sleep this many times ``delay_s`` (I/O
+            whose latency varies, as a network's or a disk's does).
     """
 
-    def __init__(self, n: int, nbytes: int, spin: int = 0, delay_s: float = 0.0) -> None:
-        self.n, self.spin, self.delay_s = n, spin, delay_s
+    def __init__(self, n: int, nbytes: int, spin: int = 0, delay_s: float = 0.0, tail: float = 1.0) -> None:
+        self.n, self.spin, self.delay_s, self.tail = n, spin, delay_s, tail
         self.pool = np.random.default_rng(0).integers(0, 256, (16, nbytes), dtype=np.uint8)
 
     def __len__(self) -> int:
@@ -103,5 +105,5 @@ class Records:
         for k in range(self.spin):
             acc += k * k
         if self.delay_s:
-            time.sleep(self.delay_s)
+            time.sleep(self.delay_s * (self.tail if (i * 2654435761) % 10 == 0 else 1.0))
         return {"x": self.pool[i % 16], "id": i}

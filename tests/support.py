@@ -643,3 +643,17 @@ def spy_on_last_stage(epoch: Any) -> list[set[int]]:
 
     last.next = spy
     return native
+
+
+class Captions:
+    """``{"id": i, "caption": str}``, short but for one 1 MiB caption (at
+    ``long_at``): an object leaf whose size the first examples do not show."""
+
+    def __init__(self, n: int, long_at: int) -> None:
+        self.n, self.long_at = n, long_at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"id": i, "caption": ("x" * (1 << 20)) if i == self.long_at else f"caption {i}"}

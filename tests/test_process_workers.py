@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from processes import descendants, shm_segments, worker_processes
 from support import (
-    ExitAt, InjectedFault, MarkedRecords, Records, Stream, checked_ids, child_script, kill_owner, mark_worker,
+    Captions, ExitAt, InjectedFault, MarkedRecords, Records, Stream, checked_ids, child_script, kill_owner, mark_worker,
     suicide_at_500, wait_for, with_pid, with_pid_and_tensor, worker_pids,
 )
 
@@ -357,3 +357,17 @@ def test_persistent_workers_need_workers():
     threads = dataecho.EchoLoader(Records(100), batch_size=10, echo_factor=1, num_workers=2, persistent_workers=True)
     for _ in range(2):  # thread workers are started per epoch either way
         assert ids(threads) == Counter(range(100))
+
+
+def test_a_long_object_leaf_goes_through_worker_processes_as_through_threads():
+    # Objects travel pickled in the ragged memory, sized from the first examples:
+    # a 1 MiB caption far down the dataset must still come through.
+    def captions(**kwargs):
+        return {b: len(c) for batch in dataecho.EchoLoader(Captions(200, long_at=123), batch_size=8, echo_factor=1,
+                                                            num_workers=2, **kwargs)
+                for b, c in zip(batch["id"].tolist(), batch["caption"])}
+
+    assert captions(worker_type="process") == captions(worker_type="thread")
+    with pytest.raises(ValueError, match=r"dataset\[123\]: its ragged values take .* with worker processes, "
+                                         r"object leaves \(str, bytes, \.\.\.\) travel pickled"):
+        captions(worker_type="process", ragged_bytes=1 << 16)
