@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import dataecho
+from dataecho import _core
 
 GOOD = {"image": ((2, 3), "uint8"), "label": ((), "int64")}
 
@@ -23,6 +24,8 @@ def make(**kwargs):
         ({"fields": {}}, ValueError, "fields"),
         ({"fields": None}, TypeError, "fields"),
         ({"fields": {"x": ((2,), "object")}}, TypeError, r"fields\['x'\].*object"),
+        ({"fields": {"x": ((None, 2), "object")}}, TypeError, r"fields\['x'\].*object"),
+        ({"fields": {"x": ((2,), [("a", "O"), ("b", "i8")])}}, TypeError, r"fields\['x'\].*Python objects"),
         ({"fields": {"x": ((2,), "not-a-dtype")}}, TypeError, r"fields\['x'\].*not a NumPy dtype"),
         ({"fields": {"x": ((2,), "U")}}, ValueError, r"fields\['x'\].*no size"),
         ({"fields": {"x": ((0, 3), "uint8")}}, ValueError, r"fields\['x'\].*dimension 0.*positive"),
@@ -114,6 +117,7 @@ def test_bad_examples_are_rejected_and_not_stored(buf, example, error, pattern):
         ({"image": np.zeros((5, 2, 3), np.uint8)}, ValueError, "missing"),
         ({"image": np.uint8(3), "label": 1}, ValueError, "leading axis"),
         ([np.zeros((2, 3))], TypeError, "dict of stacked arrays"),
+        ({"image": np.zeros((2, 2, 3), np.uint8), "label": np.array([1, 2], object)}, TypeError, "field 'label'"),
     ],
 )
 def test_bad_put_many(buf, examples, error, pattern):
@@ -167,8 +171,6 @@ def test_read_only_and_byte_swapped_inputs_are_accepted():
 
 
 def test_private_module_misuse_raises_instead_of_crashing():
-    from dataecho import _core
-
     config = _core.BufferConfig()
     config.capacity, config.batch_size = 16, 4
     core = _core.Buffer([((2, 3), np.dtype(np.uint8)), ((), np.dtype(np.int64))], config)
@@ -185,3 +187,45 @@ def test_private_module_misuse_raises_instead_of_crashing():
     with pytest.raises(ValueError):
         core.put_many([np.zeros((2, 2, 3), np.uint8), np.zeros(3, np.int64)], 2, None)
     core.close()
+
+
+
+def native_buffer(*fields: tuple) -> _core.Buffer:
+    """A _core.Buffer of ``fields`` (``(shape, dtype)``, -1 first for ragged), as
+    only dataecho's own code makes one."""
+    config = _core.BufferConfig()
+    config.capacity, config.batch_size = 16, 4
+    if any(shape[:1] == (-1,) for shape, _ in fields):
+        config.pages, config.page_bytes = 16, 4096
+    return _core.Buffer([(shape, np.dtype(dtype)) for shape, dtype in fields], config)
+
+
+# An object array's bytes are PyObject pointers, which a copy would keep without
+# a reference: the native layer refuses them, whoever calls it.
+OBJECTS = np.array([[object(), object()]])  # one row of two pointers: the 16 bytes of two int64
+INTS = np.zeros((1, 2), np.int64)
+FIXED, RAGGED = ((2,), np.int64), ((-1, 2), np.int64)
+
+
+@pytest.mark.parametrize("dtype", [object, [("a", object), ("b", np.int64)]], ids=["object", "struct"])
+@pytest.mark.parametrize("shape", [(2,), (-1, 2)], ids=["fixed", "ragged"])
+def test_the_native_layer_refuses_a_field_of_python_objects(shape, dtype):
+    with pytest.raises(TypeError, match=r"fields\[1\]: dtype .* holds Python objects"):
+        native_buffer(FIXED, (shape, dtype))
+
+
+@pytest.mark.parametrize("fields,put", [
+    ((FIXED, RAGGED), lambda core: core.put([OBJECTS[0], INTS], None)),
+    ((FIXED, RAGGED), lambda core: core.put([INTS[0], OBJECTS], None)),
+    ((FIXED,), lambda core: core.put_many([OBJECTS], 1, None)),
+    ((FIXED, RAGGED), lambda core: core.put_each([[OBJECTS[0]], [INTS]], 1, None)),
+    ((FIXED, RAGGED), lambda core: core.put_each([(OBJECTS, np.zeros(1, np.int64)), [INTS]], 1, None)),
+    ((FIXED, RAGGED), lambda core: core.put_each([[INTS[0]], (OBJECTS, np.array([0, 1]))], 1, None)),
+    ((FIXED, RAGGED), lambda core: core.copy_batch([OBJECTS, (INTS, np.array([0, 1]))], 1)),
+], ids=["put", "put-ragged", "put_many", "put_each", "put_each-gathered", "put_each-packed", "copy_batch"])
+def test_the_native_layer_refuses_an_array_of_python_objects_and_stores_nothing(fields, put):
+    core = native_buffer(*fields)
+    with pytest.raises(TypeError, match=r"(field|column) [01]: dtype object holds Python objects"):
+        put(core)
+    core.close()
+    assert core.next(1.0)[0] == _core.Status.CLOSED, "nothing was stored"

@@ -17,7 +17,7 @@ import datasets
 import numpy as np
 import pytest
 import torch
-from support import FIRST, PAYLOAD, Records, drain, kept_bytes, payload_of
+from support import FIRST, PAYLOAD, Records, boxes_of, drain, kept_bytes, payload_of
 
 import dataecho
 from dataecho import _core
@@ -387,6 +387,39 @@ def test_an_arrow_column_whose_inner_lists_vary_is_an_error_that_names_it():
     dataset = datasets.Dataset.from_dict({"boxes": [[[1, 2], [3, 4]]] * 100 + [[[1, 2, 3]]] * 100})
     with pytest.raises(ValueError, match="column 'boxes' holds lists of different lengths"):
         list(dataecho.EchoLoader(dataset, batch_size=16, echo_factor=1, shuffle=False, num_workers=1))
+
+
+@pytest.mark.parametrize("hint", [None, ["boxes"]], ids=["found", "declared"])
+def test_an_arrow_column_of_boxes_with_images_without_any_is_read_as_rows_of_4(hint):
+    # COCO's boxes, List(List(float64)): an image without boxes is an empty row,
+    # the first example's among them (id 0), so the first read holds no box at all.
+    dataset = datasets.Dataset.from_dict({"id": np.arange(200), "boxes": [boxes_of(i).tolist() for i in range(200)]})
+    assert dataset.features["boxes"] == datasets.List(datasets.List(datasets.Value("float64")))
+    seen: Counter = Counter()
+    for batch in dataecho.EchoLoader(dataset, batch_size=4, echo_factor=1, num_workers=0, shuffle=False, ragged=hint):
+        assert isinstance(batch["boxes"], dataecho.Ragged) and batch["boxes"].dtype == np.float64
+        for i, boxes in zip(batch["id"].tolist(), batch["boxes"]):
+            assert boxes.shape == (i % 6, 4) and np.array_equal(boxes, boxes_of(i)), f"boxes of id {i}"
+        seen.update(batch["id"].tolist())
+    assert seen == Counter(range(200))
+
+
+def with_none(rows: list, at: int) -> list:
+    """``rows`` with row ``at`` missing (None)."""
+    return rows[:at] + [None] + rows[at + 1:]
+
+
+@pytest.mark.parametrize("rows", [
+    with_none([[i, i] for i in range(200)], 150),  # lists of one length, one missing after the first rows
+    with_none([[i, i] for i in range(200)], 1),  # ... among the first rows
+    with_none([[i] * (i % 3) for i in range(200)], 150),  # lists of any length
+    with_none([[[i, i]] * (1 + i % 3) for i in range(200)], 150),  # lists of lists
+    [[[i, i]] * (1 + i % 3) for i in range(150)] + [[[1, 2], None]] * 50,  # an inner list missing
+], ids=["fixed", "fixed-first", "ragged", "nested", "inner"])
+def test_an_arrow_column_with_a_missing_row_is_an_error_that_names_it(rows):
+    dataset = datasets.Dataset.from_dict({"id": np.arange(200), "boxes": rows})
+    with pytest.raises(ValueError, match=r"column 'boxes' holds missing values \(None\)"):
+        list(dataecho.EchoLoader(dataset, batch_size=16, echo_factor=1, shuffle=False, num_workers=0))
 
 
 # ---- how many reading threads by default ----

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ pytest.importorskip("PIL", reason="the demo extra (pillow) is not installed")
 pytest.importorskip("mlxtend", reason="the demo extra (mlxtend) is not installed")
 
 from dataecho.demo import digits  # noqa: E402
+from dataecho.demo.cache import npy_bytes  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +31,23 @@ def test_pngs_round_trip_the_shipped_digits(cache):
     assert image.shape == (28, 28) and image.dtype == np.uint8 and image.max() > 100
     again, _ = digits.write_pngs(path)  # cached: nothing rewritten
     assert again == files
+
+
+@pytest.mark.parametrize("damage", ["empty", "cut-short", "not-labels"])
+def test_a_cache_that_is_not_whole_is_written_again(cache, tmp_path, damage):
+    # What an interrupted first run, or two runs at once, left before the cache
+    # was written atomically; every PNG is there, so only the labels can tell.
+    path, files, labels = cache
+    damaged = tmp_path / "cache"
+    shutil.copytree(path, damaged)
+    whole = (path / "labels.npy").read_bytes()
+    planted = {"empty": b"", "cut-short": whole[: len(whole) // 2], "not-labels": npy_bytes(np.zeros((2, 3)))}
+    (damaged / "labels.npy").write_bytes(planted[damage])
+    again, relabeled = digits.write_pngs(damaged)
+    assert np.array_equal(relabeled, labels) and [f.name for f in again] == [f.name for f in files]
+    assert (damaged / "labels.npy").read_bytes() == whole, "the labels are written again, whole"
+    assert np.array_equal(digits.decode(again[1234]), digits.decode(files[1234]))
+    assert not list(damaged.glob(".*.tmp")), "no temporary file is left behind"
 
 
 def test_split_is_balanced_and_disjoint(cache):

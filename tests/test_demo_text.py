@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -35,6 +36,17 @@ def test_corpus_is_cached_and_rebuilt_identically(corpus, tmp_path):
     rebuilt = text.write_corpus(tmp_path / "fresh")  # from the standard library again
     assert np.array_equal(rebuilt.offsets, corpus.offsets)
     assert rebuilt.path.read_bytes() == corpus.path.read_bytes()
+
+
+@pytest.mark.parametrize("name", ["index.npz", "examples.txt"])
+def test_a_corpus_cache_that_is_not_whole_is_built_again(corpus, tmp_path, name):
+    cache = tmp_path / "cache"
+    shutil.copytree(corpus.path.parent, cache)
+    whole = (cache / name).read_bytes()
+    (cache / name).write_bytes(whole[: len(whole) // 2])  # what a run cut short would leave
+    again = text.write_corpus(cache)
+    assert np.array_equal(again.offsets, corpus.offsets) and np.array_equal(again.modules, corpus.modules)
+    assert (cache / name).read_bytes() == whole, "built again, whole"
 
 
 def test_split_holds_out_whole_modules(corpus):

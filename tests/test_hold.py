@@ -76,6 +76,58 @@ def test_a_held_array_is_read_only_and_the_copy_path_leaves_it_alone():
     assert drained(held) == [3]
 
 
+def hand_over(buf: dataecho.ShuffleBuffer, i: int, staging: np.ndarray, how: str) -> None:
+    """Puts example ``i`` whose image is ``staging``: one example (``put``) or a
+    stack of one (``put_many``, held with ``hold=True``)."""
+    if how == "put":
+        buf.put({"id": i, "image": staging})
+    else:
+        buf.put_many({"id": np.array([i]), "image": staging})
+
+
+@pytest.mark.parametrize("how,hold", [("put", "auto"), ("put_many", True)])
+def test_a_staging_array_is_read_only_while_held_and_writeable_after_its_last_echo(how, hold):
+    buf = buffer(capacity=1, batch_size=1, echo_factor=1, seed=0, hold=hold)  # a batch per put
+    staging = image_of([0]) if how == "put_many" else image_of([0])[0]
+    batches = []
+    for i in range(3):  # the caller refills one array for every example
+        staging[...] = image_of([i]).reshape(staging.shape)
+        hand_over(buf, i, staging, how)
+        assert buf.held == 1
+        with pytest.raises(ValueError, match="read-only"):
+            staging[...] = 0
+        batches.append(buf.next_batch(timeout=30))  # the example's only echo: the buffer lets go of it
+        assert buf.held == 0 and staging.flags.writeable
+    staging[...] = 0
+    assert [b["id"].tolist() for b in batches] == [[0], [1], [2]]
+    for batch in batches:
+        assert np.array_equal(batch["image"], image_of(batch["id"])), "a batch is not the staging array"
+    buf.close()
+
+
+@pytest.mark.parametrize("end", ["drained", "auto-echo", "drop_last", "buffer-dropped"])
+@pytest.mark.parametrize("how,hold", [("put", "auto"), ("put_many", True)])
+def test_staging_arrays_are_writeable_again_once_the_buffer_ends_or_is_gone(how, hold, end):
+    # drop_last and auto echo end with examples resident whose echoes never come.
+    echo = {"drained": 2, "auto-echo": "auto", "drop_last": 1, "buffer-dropped": 2}[end]
+    buf = buffer(batch_size=4, echo_factor=echo, seed=0, hold=hold, drop_last=end == "drop_last")
+    staging = [image_of([i]) if how == "put_many" else image_of([i])[0] for i in range(10)]
+    staging[9].flags.writeable = False  # the caller's own flag: kept
+    for i, array in enumerate(staging):
+        hand_over(buf, i, array, how)
+    assert buf.held == 10 and not any(a.flags.writeable for a in staging)
+    if end == "buffer-dropped":
+        del buf
+        gc.collect()
+    else:
+        buf.close()
+        seen = Counter(drained(buf))
+        assert set(seen) <= set(range(10)) and len(seen) >= (8 if end == "drop_last" else 10)
+        assert buf.held == 0, "nothing is held after the end"
+    assert [a.flags.writeable for a in staging] == [True] * 9 + [False]
+    staging[0][...] = 0
+
+
 def test_a_view_of_much_larger_memory_is_copied_not_held():
     # Holding a row of a stacked array (or of a block read from a store) would
     # keep all of it alive for one example.

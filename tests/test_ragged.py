@@ -217,6 +217,17 @@ def test_a_leaf_taken_as_fixed_whose_length_changes_names_the_leaf_and_the_argum
     assert sum(len(b["id"]) for b in fine) == 200
 
 
+@pytest.mark.parametrize("declared", [None, ["input_ids"]], ids=["found", "declared"])
+def test_a_list_with_an_int_beyond_int64_in_the_first_examples_overflows_naming_the_leaf(declared):
+    class Huge(Lists):  # NumPy would keep 2 ** 70 as a Python object
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            return {"id": i, "input_ids": [1, 2**70]} if i == 3 else super().__getitem__(i)
+
+    with pytest.raises(OverflowError, match=r"leaf 'input_ids' value 1180591620717411303424 is out of range for int64"):
+        list(dataecho.EchoLoader(Huge(100, lambda i: i % 9), batch_size=8, shuffle=False, echo_factor=1,
+                                 ragged=declared))
+
+
 def test_declared_paths_must_be_leaves_with_a_first_axis():
     with pytest.raises(ValueError, match=r"ragged: \['nope'\] are not leaves"):
         list(loader(ragged=["nope"]))

@@ -8,6 +8,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <utility>
@@ -29,11 +30,29 @@ struct FieldSpec {
   bool ragged;
 };
 
+// NumPy's NPY_ITEM_HASOBJECT descriptor flag: the dtype's items are (or hold)
+// PyObject pointers. The core copies bytes and takes no reference, so such a
+// value, copied in, would point at objects that may be freed before it is read.
+constexpr std::uint64_t kItemHasObject = 0x01;
+
+inline bool holds_objects(const py::dtype& dtype) { return (dtype.flags() & kItemHasObject) != 0; }
+
+// Raises TypeError if `dtype` holds Python objects; `name()` names its field
+// (made only then: puts check every array they are handed).
+template <typename Name>
+void refuse_objects(const py::dtype& dtype, const Name& name) {
+  if (holds_objects(dtype))
+    throw py::type_error(name() + ": dtype " + py::str(dtype).cast<std::string>() +
+                         " holds Python objects, which are not copied as bytes; expected a fixed-size dtype");
+}
+
 // Field declarations -> specs, with sizes checked against overflow.
 inline std::vector<FieldSpec> field_specs(const std::vector<FieldDecl>& fields) {
   if (fields.empty()) throw py::value_error("fields: expected at least one field");
   std::vector<FieldSpec> specs;
-  for (const auto& [declared, dtype] : fields) {
+  for (std::size_t f = 0; f < fields.size(); ++f) {
+    const auto& [declared, dtype] = fields[f];
+    refuse_objects(dtype, [f] { return "fields[" + std::to_string(f) + "]"; });
     const bool ragged = !declared.empty() && declared[0] == -1;
     std::vector<py::ssize_t> shape(declared.begin() + (ragged ? 1 : 0), declared.end());
     std::size_t n = static_cast<std::size_t>(dtype.itemsize());
@@ -97,6 +116,7 @@ inline const void* checked_data(py::handle item, std::size_t bytes, std::optiona
   const auto name = [&] { return std::string(kind) + " " + std::to_string(field); };
   if (!py::isinstance<py::array>(item)) throw py::type_error(name() + " is not an array");
   const auto a = py::reinterpret_borrow<py::array>(item);
+  refuse_objects(a.dtype(), name);
   if (!(a.flags() & py::array::c_style) || static_cast<std::size_t>(a.nbytes()) != bytes * rows.value_or(1) ||
       (rows && (a.ndim() < 1 || static_cast<std::size_t>(a.shape(0)) != *rows)))
     throw py::value_error(name() + " is not C-contiguous of the declared size");
@@ -110,6 +130,7 @@ inline const void* ragged_data(py::handle item, std::size_t row, std::uint64_t& 
   const auto name = [&] { return std::string(kind) + " " + std::to_string(field); };
   if (!py::isinstance<py::array>(item)) throw py::type_error(name() + " is not an array");
   const auto a = py::reinterpret_borrow<py::array>(item);
+  refuse_objects(a.dtype(), name);
   const auto nbytes = static_cast<std::size_t>(a.nbytes());
   if (!(a.flags() & py::array::c_style) || a.ndim() < 1 || nbytes % row != 0 ||
       nbytes / row != static_cast<std::size_t>(a.shape(0)))
@@ -175,6 +196,7 @@ inline void gathered_rows(py::handle column, std::size_t bytes, std::size_t n, s
     throw py::type_error("column " + std::to_string(field) + ": expected (array, int64 indices)");
   const auto source = py::reinterpret_borrow<py::array>(pair[0]);
   const auto indices = py::reinterpret_borrow<py::array_t<std::int64_t>>(pair[1]);
+  refuse_objects(source.dtype(), [field] { return "column " + std::to_string(field); });
   if (indices.ndim() != 1 || static_cast<std::size_t>(indices.shape(0)) != n || !(indices.flags() & py::array::c_style))
     throw py::value_error("column " + std::to_string(field) + ": expected " + std::to_string(n) + " indices");
   // The rows' own bytes must be C-contiguous; the rows may be strided.
@@ -208,6 +230,7 @@ inline void packed_rows(py::handle column, std::size_t row, std::size_t n, std::
     throw py::type_error(name + ": expected (values, int64 offsets)");
   const auto values = py::reinterpret_borrow<py::array>(pair[0]);
   const auto offsets = py::reinterpret_borrow<py::array_t<std::int64_t>>(pair[1]);
+  refuse_objects(values.dtype(), [&name] { return name; });
   if (offsets.ndim() != 1 || static_cast<std::size_t>(offsets.shape(0)) != n + 1 ||
       !(offsets.flags() & py::array::c_style))
     throw py::value_error(name + ": expected " + std::to_string(n + 1) + " offsets");

@@ -105,10 +105,10 @@ class PyBuffer {
     ShuffleBuffer& core = live();
     Batch batch;
     const Status status = call_blocking([&](Deadline d) { return core.next(batch, d); }, timeout_s);
+    holdings_.release_all(batch.unheld);  // their last echoes are in this batch or an earlier one, or never come
     if (status != Status::kOk) return {status_object(status), py::none()};
     last_seqs_ = std::move(batch.seqs);
     last_released_ = std::move(batch.released);
-    holdings_.release_all(batch.unheld);  // their last echoes are in this batch or an earlier one
     return {status_object(status), batch_arrays(batch.lease, batch.rows)};
   }
 
@@ -217,8 +217,9 @@ class PyBuffer {
   // dataecho/native/hold.py). The owner of a held value is always taken from
   // the column itself, so that it is what owns the memory the core will read:
   // the value of a single put, an item of a list column, else the column's
-  // array (stacked rows, or the source of (array, indices)). Entries of rows
-  // before `first` and of values copied are 0.
+  // array (stacked rows, or the source of (array, indices)). All but a source
+  // are lent: read-only while held (see Holdings). Entries of rows before
+  // `first` and of values copied are 0.
   std::vector<std::uint64_t> take_holds(py::handle columns, py::handle hold, std::size_t n, std::size_t first,
                                         bool single) {
     if (hold.is_none()) return {};
@@ -236,13 +237,14 @@ class PyBuffer {
         for (std::size_t i = first; i < n; ++i) {
           if (!truthy(each ? PyList_GET_ITEM(decided, i) : decided)) continue;
           PyObject* item = single ? column : PyList_GET_ITEM(column, i);
-          owners[i * holdable.size() + h] = holdings_.hold(item, 1);
+          owners[i * holdable.size() + h] = holdings_.hold(item, 1, true);
         }
         continue;
       }
       if (!truthy(decided)) continue;
-      PyObject* owner = PyTuple_Check(column) ? PyTuple_GET_ITEM(column, 0) : column;
-      const std::uint64_t handle = holdings_.hold(owner, n - first);
+      const bool source = PyTuple_Check(column);
+      PyObject* owner = source ? PyTuple_GET_ITEM(column, 0) : column;
+      const std::uint64_t handle = holdings_.hold(owner, n - first, !source);
       for (std::size_t i = first; i < n; ++i) owners[i * holdable.size() + h] = handle;
     }
     return owners;

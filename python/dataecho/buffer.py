@@ -11,10 +11,12 @@ lets go of it with the batch that holds the example's last echo.
 ``put_many``'s stacked rows, so that a stacked array is not kept alive for the
 sake of one row; ``hold=True`` holds those too (each stacked array until the
 last echo of its last row: best for views of memory that lives anyway, such as
-a dataset array); ``hold=False`` always copies. A held array is made read-only,
-so a write through it raises; its memory must not be changed through another
-view (or a torch tensor that shares it) until the example's last echo is
-delivered (dataecho.native.hold says what is held and why).
+a dataset array); ``hold=False`` always copies. A held array is read-only while
+it is held, so a write through it raises, and writeable again (if it was) once
+the buffer lets go of it: a staging array can be reused after its examples'
+last echoes, or the buffer's end. Its memory must not be changed through
+another view (or a torch tensor that shares it) until the example's last echo
+is delivered (dataecho.native.hold says what is held and why).
 """
 
 from __future__ import annotations

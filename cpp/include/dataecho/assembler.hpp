@@ -246,14 +246,17 @@ class Assembler {
     block_until(region_.free->not_full(), Deadline::never(), [&] { return region_.free->try_push_quiet(slot); });
   }
 
-  // End of the stream: what is resident is not needed any more.
+  // End of the stream: what is resident is not needed any more. The owners of
+  // the held values freed since the last batch (those never delivered again:
+  // a drop_last remainder, unspent auto-echo budget) go with the end itself.
   Step finish() {
     // relaxed: statistics. With auto echo, unspent budget is not a loss.
     if (!config_.auto_echo) dropped_.fetch_add(reservoir_.echoes_left(), std::memory_order_relaxed);
     reservoir_.clear([this](std::uint32_t slot) { release_slot(slot); });
     region_.free->not_empty().notify_all();
     publish_resident();
-    ready_.finish();
+    ready_.finish(nullptr, std::move(unheld_));
+    unheld_.clear();
     return Step::kEnd;
   }
 

@@ -62,12 +62,14 @@ class ReadyQueue {
   }
 
   // Assembler: no more batches; `error` (if any) is raised by the consumer after
-  // the batches already queued.
-  void finish(std::exception_ptr error = nullptr) {
+  // the batches already queued; `unheld` (owners of held values freed after the
+  // last batch) goes to the consumer that first sees the end.
+  void finish(std::exception_ptr error = nullptr, std::vector<std::uint64_t> unheld = {}) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       finished_ = true;
       error_ = std::move(error);
+      unheld_at_end_ = std::move(unheld);
     }
     ready_.notify_all();
   }
@@ -86,8 +88,9 @@ class ReadyQueue {
 
   enum class Pop { kBatch, kEnd, kTimeout };
 
-  // Consumer: the next batch, the end of the stream, or a timeout. Rethrows the
-  // assembler's error once the batches before it are consumed.
+  // Consumer: the next batch, the end of the stream (with, the first time,
+  // `out.unheld`: see finish), or a timeout. Rethrows the assembler's error
+  // once the batches before it are consumed.
   Pop pop(Batch& out, Deadline deadline) {
     Pop result = Pop::kTimeout;
     std::exception_ptr error;
@@ -101,6 +104,8 @@ class ReadyQueue {
       }
       if (finished_ || stopped_) {
         error = stopped_ ? nullptr : error_;
+        out.unheld = std::move(unheld_at_end_);
+        unheld_at_end_.clear();
         result = Pop::kEnd;
         return true;
       }
@@ -127,6 +132,7 @@ class ReadyQueue {
   bool finished_ = false;
   bool stopped_ = false;
   std::exception_ptr error_;
+  std::vector<std::uint64_t> unheld_at_end_;  // see finish
   EventCount ready_;  // batches_ non-empty, finished_ or stopped_
   EventCount room_;   // batches_.size() < limit_ or stopped_
 };

@@ -203,7 +203,8 @@ class ShuffleBuffer {
     return Status::kOk;
   }
 
-  // The next batch, kClosed at the end of the stream, or kTimeout.
+  // The next batch, kClosed at the end of the stream, or kTimeout. `out.unheld`
+  // is set with kClosed too: the owners freed at the end (see Assembler::finish).
   Status next(Batch& out, Deadline deadline) {
     const auto start = Clock::now();
     const auto got = ready_.pop(out, deadline);

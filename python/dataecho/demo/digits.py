@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .cache import npy_bytes, write_whole
+
 PIXELS = 28
 CLASSES = 10
 
@@ -32,12 +34,17 @@ def default_cache() -> Path:
 
 
 def write_pngs(cache: Path) -> tuple[list[Path], np.ndarray]:
-    """Writes each digit as cache/NNNN.png once; returns the files and the labels."""
+    """Writes each digit as cache/NNNN.png once; returns the files and the labels.
+
+    Every file is written whole or not at all (dataecho.demo.cache), labels.npy
+    last: where it loads whole, every PNG was written. A cache that is not whole
+    (an interrupted run, one that crashed mid-file) is written again.
+    """
     from PIL import Image
 
     labels_file = cache / "labels.npy"
-    if labels_file.exists():
-        labels = np.load(labels_file)
+    labels = _cached_labels(labels_file)
+    if labels is not None:
         files = [cache / f"{i:04d}.png" for i in range(len(labels))]
         if all(f.exists() for f in files):
             return files, labels
@@ -51,10 +58,20 @@ def write_pngs(cache: Path) -> tuple[list[Path], np.ndarray]:
         path = cache / f"{i:04d}.png"
         buffer = io.BytesIO()
         Image.fromarray(image).save(buffer, format="PNG")
-        path.write_bytes(buffer.getvalue())
+        write_whole(path, buffer.getvalue())
         files.append(path)
-    np.save(labels_file, labels)
+    write_whole(labels_file, npy_bytes(labels))
     return files, labels
+
+
+def _cached_labels(path: Path) -> np.ndarray | None:
+    """The labels in ``path``, or None where they are missing or not whole."""
+    try:
+        labels = np.load(path)
+    except Exception:  # missing, empty, cut short, not an array: the cache is written again
+        return None
+    whole = labels.ndim == 1 and len(labels) > 0 and labels.dtype.kind in "iu"
+    return labels if whole and 0 <= labels.min() and labels.max() < CLASSES else None
 
 
 def split(labels: np.ndarray, validation: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

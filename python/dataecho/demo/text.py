@@ -22,6 +22,8 @@ from typing import Iterator
 
 import numpy as np
 
+from .cache import npz_bytes, write_whole
+
 VOCAB = 256
 MIN_TOKENS, MAX_TOKENS = 16, 512
 # Folders whose docstrings are not the standard library's own: installed
@@ -139,11 +141,13 @@ def write_corpus(cache: Path, stdlib: Path | None = None) -> Corpus:
     Examples shorter than MIN_TOKENS bytes are dropped, and repeated ones
     ("Return self==value.") kept once: the order is the files' sorted order,
     so the corpus is the same on every build from the same standard library.
+    Both files are written whole or not at all (dataecho.demo.cache); a cache
+    that is not whole, or whose files do not match, is built again.
     """
     data, index = cache / "examples.txt", cache / "index.npz"
-    if data.exists() and index.exists():
-        with np.load(index) as arrays:
-            return Corpus(data, arrays["offsets"], arrays["modules"])
+    cached = _cached_corpus(data, index)
+    if cached is not None:
+        return cached
     stdlib = stdlib or Path(sysconfig.get_paths()["stdlib"])
     seen: set[str] = set()
     chunks, lengths, modules, names = [], [], [], {}
@@ -159,15 +163,25 @@ def write_corpus(cache: Path, stdlib: Path | None = None) -> Corpus:
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     cache.mkdir(parents=True, exist_ok=True)
-    # Written under temporary names and renamed: two runs building at once
-    # (tests in parallel) never see half a corpus.
-    tmp = f".{os.getpid()}.{threading.get_ident()}.tmp"
-    Path(str(data) + tmp).write_bytes(b"".join(chunks))
-    with open(str(index) + tmp, "wb") as f:
-        np.savez(f, offsets=offsets, modules=np.asarray(modules, dtype=np.int32))
-    os.replace(str(data) + tmp, data)
-    os.replace(str(index) + tmp, index)
+    # The index last: where it matches the examples' file, the corpus is whole.
+    write_whole(data, b"".join(chunks))
+    write_whole(index, npz_bytes(offsets=offsets, modules=np.asarray(modules, dtype=np.int32)))
     return Corpus(data, offsets, np.asarray(modules, dtype=np.int32))
+
+
+def _cached_corpus(data: Path, index: Path) -> Corpus | None:
+    """The corpus cached in ``data`` and ``index``, or None where either is
+    missing, not whole, or does not match the other."""
+    try:
+        with open(index, "rb") as f, np.load(f) as arrays:  # closed here even where np.load fails
+            offsets, modules = arrays["offsets"], arrays["modules"]
+        size = data.stat().st_size
+    except Exception:  # missing, empty, cut short, not an index: the cache is built again
+        return None
+    if offsets.ndim != 1 or modules.shape != (len(offsets) - 1,) or len(modules) == 0:
+        return None
+    whole = offsets[0] == 0 and offsets[-1] == size and bool((np.diff(offsets) >= 0).all())
+    return Corpus(data, offsets, modules) if whole else None
 
 
 def split(corpus: Corpus, validation: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -311,7 +311,12 @@ def _array_of(value: Any, path: str) -> tuple[np.ndarray, str | None] | None:
     if isinstance(value, range):
         return np.arange(value.start, value.stop, value.step, dtype=np.int64), None
     if isinstance(value, list) and all(isinstance(v, _NUMBERS) for v in value):
-        return np.asarray(value) if value else np.zeros(0, dtype=np.int64), None
+        array = np.asarray(value) if value else np.zeros(0, dtype=np.int64)
+        low, high = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
+        beyond = [v for v in value if isinstance(v, int) and not low <= v <= high] if array.dtype.hasobject else []
+        if beyond:  # NumPy keeps them as Python objects, which no field stores: as a fixed leaf's, an overflow
+            raise OverflowError(f"example: leaf {path!r} value {beyond[0]} is out of range for int64 [{low}, {high}]")
+        return array, None
     if hasattr(value, "__array_interface__") or hasattr(value, "__array__"):
         kind = f"{type(value).__module__}.{type(value).__qualname__}"
         raise TypeError(f"example: leaf {path!r} is a {kind}, which holds an array without being one; convert it "

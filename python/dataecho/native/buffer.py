@@ -106,7 +106,7 @@ class NativeBuffer:
         """Puts `rows` stacked examples; on failure the exception's
         ``examples_put`` says how many went in."""
         self.check_process()
-        status, done = self._core.put_many(arrays, rows, timeout_s, 0, self._hold.stacked(arrays))
+        status, done = self._core.put_many(arrays, rows, timeout_s, 0, self._hold.stacked())
         if status != _OK:
             raise put_many_error(status, done, rows, timeout_s)
 
@@ -121,8 +121,7 @@ class NativeBuffer:
             BufferClosed: the buffer was closed or stopped.
         """
         self.check_process()
-        status, done = self._core.put_each(columns, rows, timeout_s, first_seq, done,
-                                           self._hold.columns(columns, done))
+        status, done = self._core.put_each(columns, rows, timeout_s, first_seq, done, self._hold.columns(columns))
         if status == _CLOSED:
             raise BufferClosed("put(): the ShuffleBuffer is closed")
         return done

@@ -28,8 +28,11 @@ this policy decides, for each put:
 * An array of one example that views memory more than twice its own size (a
   row of a stacked batch, a view into a large block) is copied: holding it
   would keep all of that memory alive for one example.
-* A held array handed over is made read-only, so that a write through it
-  raises; a source array of (array, indices) is left as it is. Its memory
+* A held array handed over is made read-only while it is held, so that a write
+  through it raises, and writeable again once the buffer lets go of it (its
+  examples' last echoes gathered, a put that failed, or the buffer gone) if it
+  was writeable when handed over; the binding does both (cpp/bindings/held.hpp).
+  A source array of (array, indices) is left as it is. A held array's memory
   must not be changed through another view (or a torch tensor that shares it)
   until the example's last echo is delivered.
 """
@@ -64,11 +67,6 @@ def holds_little_more(array: Any) -> bool:
         return True
 
 
-def _read_only(array: Any) -> None:
-    if isinstance(array, np.ndarray):
-        array.flags.writeable = False
-
-
 class HoldPolicy:
     """What one buffer holds (see the module docstring).
 
@@ -92,20 +90,15 @@ class HoldPolicy:
         if not self.holdable or self.mode not in ("auto", True):
             return None
         decided = [holds_little_more(values[f]) for f in self.holdable]
-        for f, held in zip(self.holdable, decided):
-            if held:
-                _read_only(values[f])
         return decided if any(decided) else None
 
-    def stacked(self, arrays: list) -> list[bool] | None:
+    def stacked(self) -> list[bool] | None:
         """For ``put_many`` of stacked arrays: held with ``True`` only."""
         if not self.holdable or self.mode is not True:
             return None
-        for f in self.holdable:
-            _read_only(arrays[f])
         return [True] * len(self.holdable)
 
-    def columns(self, columns: list, first: int = 0) -> list | None:
+    def columns(self, columns: list) -> list | None:
         """For ``put_each``: per holdable field, True (the column's array holds
         every row: stacked, or the source of (array, indices)), False, or one
         bool per row of a list column; None: nothing is held."""
@@ -117,13 +110,7 @@ class HoldPolicy:
             if isinstance(column, tuple):  # (source array, indices): the source is never changed
                 decided.append(self.mode is True or not isinstance(column[0], np.memmap))
             elif isinstance(column, list):
-                rows = [self.mode != "sources" and holds_little_more(v) for v in column]
-                for held, value in zip(rows[first:], column[first:]):
-                    if held:
-                        _read_only(value)
-                decided.append(rows)
+                decided.append([self.mode != "sources" and holds_little_more(v) for v in column])
             else:  # stacked rows
                 decided.append(self.mode is True)
-                if self.mode is True:
-                    _read_only(column)
         return decided if any(d if isinstance(d, bool) else any(d) for d in decided) else None

@@ -29,7 +29,9 @@ class ArrowReader:
     def __init__(self, dataset: Any, order: np.ndarray) -> None:
         self._view = dataset.with_format("arrow", columns=dataset.format.get("columns"))
         self._order = order
-        self._ragged = _varying(dataset, [f.name for f in self._view[:0].schema if _column_kind(f.type) == "ragged"])
+        self._levels = {field.name: _list_lengths(dataset.data.column(field.name))
+                        for field in self._view[:0].schema if _column_kind(field.type) != "object"}
+        self._ragged = {name for name, levels in self._levels.items() if levels and levels[0][0] != levels[0][1]}
 
     @staticmethod
     def reads(source: Any) -> bool:
@@ -73,7 +75,7 @@ class ArrowReader:
 
     def _read(self, indices: np.ndarray) -> dict[str, Any]:
         table = self._view[indices.tolist()]
-        return {name: _from_arrow(name, table.column(name), len(indices), name in self._ragged)
+        return {name: _from_arrow(name, table.column(name), len(indices), self._levels.get(name, []))
                 for name in table.column_names}
 
 _PLAIN_FORMATS = (None, "python", "numpy", "np", "torch", "pt", "arrow", "pa")
@@ -108,52 +110,72 @@ def _converted(value: Any, field: Field, rows: int) -> Any:
     return to_field_array(value, field, rows, "example")
 
 
-def _varying(dataset: Any, names: list[str]) -> set[str]:
-    """Which of the list columns ``names`` hold lists of different lengths, over
-    the whole table: the offsets alone are read, not the values."""
+def _list_lengths(column: Any) -> list[tuple[int, int]]:
+    """The shortest and longest list at each list level of an Arrow column, over
+    the whole table (the offsets alone are read, not the values), missing lists
+    (None) left out; ``(0, 0)`` for a level that holds no list at all.
+
+    The table decides, not the rows read: a chunk (or a first example) whose rows
+    are all empty holds no list at the level below them, yet its leaf must have
+    the same inner shape as every other chunk's (COCO's boxes: an image without
+    any is ``(0, 4)``). An empty row adds no list to the level below, so it does
+    not count there."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
-    varying = set()
-    for name in names:
-        lengths = pc.min_max(pc.list_value_length(dataset.data.column(name)))
-        if lengths["min"].as_py() != lengths["max"].as_py():
-            varying.add(name)
-    return varying
+    levels = []
+    while pa.types.is_list(column.type) or pa.types.is_large_list(column.type) \
+            or pa.types.is_fixed_size_list(column.type):
+        span = pc.min_max(pc.list_value_length(column))
+        levels.append((span["min"].as_py() or 0, span["max"].as_py() or 0))
+        column = pc.list_flatten(column)
+    return levels
 
 
-def _from_arrow(name: str, column: Any, rows: int, ragged: bool) -> Any:
-    """An Arrow column as one array of ``rows`` rows, a Ragged (``ragged``: the
-    outermost lists, of any length), or a list (strings, bytes)."""
+def _from_arrow(name: str, column: Any, rows: int, levels: list[tuple[int, int]]) -> Any:
+    """An Arrow column as one array of ``rows`` rows, a Ragged (where the lengths
+    of its outermost lists vary over the table), or a list (strings, bytes).
+
+    Args:
+        name: The column's name, for errors.
+        column: The column's rows that were read.
+        rows: How many rows were read.
+        levels: The table's list lengths at each level (``_list_lengths``).
+
+    Raises:
+        ValueError: A row or a list in it is missing (None), or lists below the
+            outermost level differ in length.
+    """
     array = column.combine_chunks()
     if _column_kind(array.type) == "object":
         return array.to_pylist()
-    if not ragged:
-        return _to_numpy(name, array, [rows])
-    if array.null_count:
-        raise ValueError(f"source: column {name!r} holds missing values (None)")
+    _refuse_missing(name, array)
+    if not levels or levels[0][0] == levels[0][1]:
+        return _to_numpy(name, array, [rows], levels)
     offsets = array.offsets.to_numpy().astype(np.int64)
     offsets -= offsets[0]  # a slice's offsets start where it does
-    values = _to_numpy(name, array.flatten(), [int(offsets[-1])])
+    values = _to_numpy(name, array.flatten(), [int(offsets[-1])], levels[1:])
     return Ragged(values, offsets)
 
 
-def _to_numpy(name: str, array: Any, shape: list[int]) -> np.ndarray:
-    """An Arrow array of numbers or equal-length (nested) lists of them as one
-    array of shape ``shape`` (its rows) and the lists' lengths."""
-    import pyarrow as pa
-
-    while not (pa.types.is_integer(array.type) or pa.types.is_floating(array.type) or pa.types.is_boolean(array.type)):
-        if pa.types.is_fixed_size_list(array.type):
-            width = array.type.list_size
-        else:
-            lengths = np.diff(array.offsets.to_numpy())
-            if len(lengths) and (lengths != lengths[0]).any():
-                raise ValueError(f"source: column {name!r} holds lists of different lengths "
-                                 f"({lengths.min()} to {lengths.max()}) below its first level; only a leaf's "
-                                 f"first axis may vary")
-            width = int(lengths[0]) if len(lengths) else 0
+def _to_numpy(name: str, array: Any, shape: list[int], levels: list[tuple[int, int]]) -> np.ndarray:
+    """An Arrow array of numbers or equal-length (nested) lists of them, with no
+    missing row, as one array of shape ``shape`` (its rows) followed by the
+    lengths of the lists at ``levels``, one width each over the whole table."""
+    _refuse_missing(name, array)
+    for shortest, longest in levels:
+        if shortest != longest:
+            raise ValueError(f"source: column {name!r} holds lists of different lengths "
+                             f"({shortest} to {longest}) below its first level; only a leaf's "
+                             f"first axis may vary")
         array = array.flatten()
-        shape.append(width)
+        _refuse_missing(name, array)
+        shape.append(shortest)
+    return array.to_numpy(zero_copy_only=False).reshape(shape)
+
+
+def _refuse_missing(name: str, array: Any) -> None:
+    """Raises ValueError if ``array`` holds a missing value (None): a missing row
+    has no length or value to stand for it, whatever its type."""
     if array.null_count:
         raise ValueError(f"source: column {name!r} holds missing values (None)")
-    return array.to_numpy(zero_copy_only=False).reshape(shape)
