@@ -132,6 +132,21 @@ def test_batches_of_their_own_shape_are_stacked_as_dataloader_stacks_them(seed):
                    for a, b in zip(got, expected))
 
 
+def test_a_leaf_that_varies_within_a_later_batch_is_declared_ragged():
+    class Growing:
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, i):
+            return {"t": np.arange(3 if i < 3 else i)}
+
+    batches = [[0, 1, 2], [3, 4, 5]]  # the first batch read shows one length
+    with pytest.raises(ValueError, match=r"field 't' expected shape \(3,\), got \(4,\); .* declare it in `ragged`"):
+        list(loader(Growing(), batches, num_workers=0, echo_factor=1))
+    got = list(loader(Growing(), batches, num_workers=0, echo_factor=1, ragged=["t"]))
+    assert [[len(row) for row in b["t"]] for b in got] == [[3, 3, 3], [3, 4, 5]]
+
+
 # ---- echo: whole batches ----
 
 

@@ -134,9 +134,13 @@ class BatchesIntake:
     def _batch(self, rows: np.ndarray) -> Batch:
         """The examples at positions ``rows``, read, transformed and stacked."""
         examples = [self._source.read(int(position)) for position in rows]
-        structure = self.structure or self._learn(examples)
-        leaves = stack(structure, [structure.flatten(e) for e in examples], "a batch of batch_sampler",
-                       batch_shapes=True)
+        structure = self.structure if self.structure is not None else self._learn(examples)
+        try:
+            leaves = stack(structure, [structure.flatten(e) for e in examples], "a batch of batch_sampler",
+                           batch_shapes=True)
+        except ValueError as error:  # shapes that differ within a batch
+            raise ValueError(f"{error}; a leaf whose length varies within a batch is ragged: declare it in "
+                             f"`ragged` where the first batch read does not show it") from None
         return Batch(structure, leaves, rows)
 
     def _learn(self, examples: list[Any]) -> Structure:
