@@ -560,7 +560,7 @@ def test_pinned_batches_reach_the_gpu(seed):
         ({"num_workers": 0, "worker_type": "process"}, ValueError, "num_workers"),
         ({"num_workers": 1.5}, TypeError, "num_workers"),
         ({"dataset": None}, TypeError, "dataset"),
-        ({"batch_sampler": [[0, 1]]}, ValueError, "batch_sampler"),
+        ({"batch_sampler": [[0, 1]], "batch_size": 2}, ValueError, "batch_sampler option is mutually exclusive"),
         ({"sampler": [0, 1], "shuffle": True}, ValueError, "sampler"),
         ({"sampler": 3}, TypeError, "sampler"),
         ({"dataset": iter(range(3)), "sampler": [0]}, ValueError, "sampler"),

@@ -11,6 +11,9 @@ starts a :class:`dataecho.pipeline.epoch.Epoch`, whose chain of stages is::
            -> [batch echoing]                   (echo_at="batch")     batch_echo
            -> [augment threads] -> output buffer (augment given)      augment
            -> batches as NumPy arrays or torch tensors, on `device`   delivery
+
+With a ``batch_sampler`` the intake reads its batches whole, in its order
+(no echo buffer), and echo repeats them whole (batch echoing).
 """
 
 from __future__ import annotations
@@ -42,9 +45,9 @@ __all__ = ["EchoLoader"]
 # by the names they were given under.
 _ATTRIBUTES: dict[str, Callable[[LoaderConfig], Any]] = {
     "num_workers": lambda c: None if c.auto_workers else c.workers,
-    "batch_sampler": lambda c: None,
+    "batch_sampler": lambda c: c.batch_sampler,
     "timeout": lambda c: c.timeout or 0,
-    "batch_size": lambda c: c.batch_size if c.batched else None,
+    "batch_size": lambda c: c.batch_size if c.batched and c.batch_sampler is None else None,
     "multiprocessing_context": lambda c: c.start_method,
     "echo_factor": lambda c: c.echo.setting,
     "echo_at": lambda c: c.echo.at,
@@ -83,14 +86,16 @@ class EchoLoader:
             given: one reading thread, more while reads wait; 2 processes. 0
             reads in the calling thread. No user code runs in ``iter()``: the
             workers read the first examples, which tell the structure.
-        sampler, batch_sampler, collate_fn, pin_memory, drop_last, timeout,
+        sampler, collate_fn, pin_memory, drop_last, timeout,
         worker_init_fn, multiprocessing_context, generator, prefetch_factor,
         persistent_workers, pin_memory_device: as in DataLoader;
             ``collate_fn`` gets the examples as the dataset returned them.
+        batch_sampler: as in DataLoader; its batches exactly, in its order,
+            echoed whole; threads or ``num_workers=0``, no ``augment``.
         echo_factor: mean deliveries per example (or batch), a number >= 1
             (fractional: ``floor(e)`` or ``floor(e) + 1`` each), or ``"auto"``:
             repeat only while the consumer would wait, up to about ``max_echo``.
-        echo_at: ``"example"`` or ``"batch"``.
+        echo_at: ``"example"`` (default) or ``"batch"`` (default with ``batch_sampler``).
         max_echo: with ``"auto"``, the cap on deliveries per example (batch).
         transform: per-example function of the producers, before the echo stage.
         augment: per-example function after the echo stage, anew on every
@@ -139,7 +144,7 @@ class EchoLoader:
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         echo_factor: float | str = 2.0,
-        echo_at: str = "example",
+        echo_at: str | None = None,
         max_echo: float = 4.0,
         transform: Callable[[Any], Any] | None = None,
         augment: Callable[..., Any] | None = None,
@@ -217,11 +222,12 @@ class EchoLoader:
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch the next ``iter(loader)`` runs, and every later one until
         set again (see dataecho.pipeline.numbering.EpochNumbers); a ``sampler`` with
-        ``set_epoch`` is given the number too."""
+        ``set_epoch`` is given the number too, and so is a ``batch_sampler`` with one."""
         number = self._numbers.set(epoch)
-        set_sampler_epoch = getattr(self.config.sampler, "set_epoch", None)
-        if callable(set_sampler_epoch):
-            set_sampler_epoch(number)
+        for sampler in (self.config.sampler, self.config.batch_sampler):
+            set_sampler_epoch = getattr(sampler, "set_epoch", None)
+            if callable(set_sampler_epoch):
+                set_sampler_epoch(number)
 
     @property
     def next_epoch(self) -> int:

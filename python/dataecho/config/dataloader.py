@@ -24,7 +24,10 @@ rest by keyword. What dataecho does with each keyword of DataLoader's:
 - ``persistent_workers``: worker processes are kept from one epoch to the
   next (dataecho.workers.pool); thread workers are cheap to start and are
   started per epoch either way.
-- ``batch_sampler``: refused; dataecho forms the batches itself.
+- ``batch_sampler``: its batches, exactly, in its order (variable sizes
+  allowed); echo repeats them whole (dataecho.config.batch_sampler); excludes
+  ``batch_size``, ``shuffle``, ``sampler`` and ``drop_last``, as in DataLoader;
+  ``set_epoch`` is forwarded to it.
 
 Where torch warns and goes on, so does dataecho.
 """
@@ -39,18 +42,10 @@ from .. import _checks
 from ..tensors.convert import import_torch
 
 __all__ = ["DEFAULT_PREFETCH", "DEFAULT_WORKERS", "check_callable", "num_workers", "pin_memory", "prefetch",
-           "refuse_batch_sampler", "seed", "timeout", "warn_many_workers", "worker_kind"]
+           "seed", "timeout", "warn_many_workers", "worker_kind"]
 
 DEFAULT_WORKERS = 2  # processes (and augment threads) when num_workers is not given
 DEFAULT_PREFETCH = 2  # batches assembled ahead when prefetch_factor is not given
-
-
-def refuse_batch_sampler(batch_sampler: Any) -> None:
-    if batch_sampler is not None:
-        raise ValueError(
-            "batch_sampler: not supported: dataecho forms batches itself, drawing from its shuffle buffer so that "
-            "repeats of an example land in different batches; give `sampler` for the reading order, and batch_size"
-        )
 
 
 def num_workers(value: Any) -> int | None:

@@ -22,6 +22,7 @@ from ..reading.source import is_map_style
 from ..tensors.convert import import_torch
 from ..workers.processes import default_start_method
 from . import dataloader
+from .batch_sampler import check_batch_sampler, check_with_batch_sampler, default_echo_at
 from .processes import check_processes
 from .echo import Echo
 
@@ -76,6 +77,7 @@ class LoaderConfig:
     ragged: frozenset[str] | None = None  # leaf paths declared ragged
     ragged_bytes: int | None = None  # the page heap's budget (None: sized from the first examples)
     padding: int | str | None = None  # None (packed), "longest" or a length
+    batch_sampler: Any = None  # forms the batches (dataecho.config.batch_sampler); batch_size is then 1, unused
 
     @property
     def map_style(self) -> bool:
@@ -122,6 +124,7 @@ class LoaderConfig:
             "world_size": self.shard.world_size,
             "length": len(self.dataset) if self.map_style else None,
             "sampler": None if self.sampler is None else type(self.sampler).__name__,
+            "batch_sampler": None if self.batch_sampler is None else type(self.batch_sampler).__name__,
             "batch_size": self.batch_size if self.batched else None,
             "echo_factor": self.echo.setting,
             "echo_at": self.echo.at,
@@ -147,17 +150,18 @@ def loader_config(*, dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, 
         TypeError, ValueError: a bad argument, named in the message.
         RuntimeError: a ``device`` that is not available here.
     """
-    dataloader.refuse_batch_sampler(batch_sampler)
     workers = dataloader.num_workers(num_workers)
     worker_type, start_method = dataloader.worker_kind(worker_type, multiprocessing_context, workers)
     start_method = start_method or (default_start_method() if worker_type == "process" else None)
     dataset = _check_dataset(dataset, worker_type)
+    batch_sampler = check_batch_sampler(batch_sampler, batch_size, shuffle, sampler, drop_last, dataset)
     batch_size, batched = _check_batch_size(batch_size, drop_last)
     asked = None if deterministic is None else _checks.flag("deterministic", deterministic)
     shard = resolve_shard(rank, world_size)
     seed, seed_given = _check_seed(seed, generator, shard)
-    echo = _check_echo(Echo.of(echo_factor, echo_at, max_echo), asked is True, shard)
-    sampler, shuffle = _check_sampler(sampler, shuffle, dataset)
+    echo = _check_echo(Echo.of(echo_factor, default_echo_at(echo_at, batch_sampler), max_echo), asked is True, shard)
+    # A batch sampler decides the order (shuffle False, as in DataLoader).
+    sampler, shuffle = _check_sampler(sampler, False if batch_sampler is not None else shuffle, dataset)
     # shuffle=False at echo 1: batches in reading order, which deterministic intake gives.
     in_order = _reads_in_order(shuffle, echo, dataset, worker_type)
     deterministic = in_order or _deterministic(asked, echo, dataset, worker_type, shuffle_buffer, batch_size)
@@ -182,8 +186,9 @@ def loader_config(*, dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, 
         start_method=start_method, output=_checks.choice("output", output, ("numpy", "torch")),
         device=_check_device(device), shard=shard, ragged=_check_ragged(ragged),
         ragged_bytes=None if ragged_bytes is None else _checks.positive_int("ragged_bytes", ragged_bytes),
-        padding=_check_padding(padding),
+        padding=_check_padding(padding), batch_sampler=batch_sampler,
     )
+    check_with_batch_sampler(config, echo_at)
     if config.collate_fn is not None and config.device is not None:
         raise ValueError("collate_fn: its result is yielded as it is, so `device` cannot move it; "
                          "move the batch in the loop (batch.to(device)), as with DataLoader")

@@ -5,6 +5,7 @@ padded, and the leaf as torch gives it."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -54,14 +55,43 @@ def read_only(leaves: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(read_only_leaf(leaf) for leaf in leaves)
 
 
-def stack(structure: Structure, examples: list[list]) -> tuple[Any, ...]:
+def stack(structure: Structure, examples: list[list], where: str = "resume", batch_shapes: bool = False
+          ) -> tuple[Any, ...]:
     """Flattened examples as one batch leaf per leaf (stacked arrays, packed
     ragged rows, lists of objects), converted to the structure's fields as a
-    put would."""
+    put would.
+
+    Args:
+        structure: the examples' structure.
+        examples: each example's leaves (``structure.flatten``).
+        where: what is stacking, for messages.
+        batch_shapes: an array leaf takes the shape of the batch's first
+            example (the same in all of them), not the structure's: batches
+            formed by a batch sampler (buckets of one length or size) may each
+            have their own, as torch's ``default_collate`` stacks them.
+
+    Raises:
+        TypeError, ValueError: a leaf that does not fit its field (named).
+    """
+    fields = structure.fields()
+    if batch_shapes and examples:
+        fields = [f if f.kind != "array" else dataclasses.replace(f, shape=_shape_of(examples[0][i], f.shape))
+                  for i, f in enumerate(fields)]
     return tuple(
-        stack_leaf([field_value(leaves[i], f, None, "resume") for leaves in examples], f.kind, f.dtype, f.shape)
-        for i, f in enumerate(structure.fields())
+        stack_leaf([field_value(leaves[i], f, None, where) for leaves in examples], f.kind, f.dtype, f.shape)
+        for i, f in enumerate(fields)
     )
+
+
+def _shape_of(value: Any, otherwise: tuple[int, ...]) -> tuple[int, ...]:
+    """A leaf value's shape; ``otherwise`` where it has none (the conversion then says what is wrong)."""
+    shape = getattr(value, "shape", None)  # an array or tensor; else a number or (nested) list
+    if shape is not None:
+        return tuple(shape)
+    try:
+        return np.shape(value)
+    except (TypeError, ValueError):  # nested lists of different lengths
+        return otherwise
 
 
 def leaf_to_torch(leaf: Any) -> Any:

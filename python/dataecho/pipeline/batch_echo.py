@@ -2,13 +2,17 @@
 spread out through a small shuffle buffer of batches so that they are not
 consecutive. A short batch (the epoch's last, without ``drop_last``) and its
 repeats come after every full batch, as ``DataLoader`` yields it last: a batch
-of one mid-epoch would upset batch norm and static shapes.
+of one mid-epoch would upset batch norm and static shapes. Batches of a
+``batch_sampler`` have no fixed size: every one counts as full, and they are
+echoed whole.
 
 A batch yielded more than once must not let an in-place change by the
 consumer reach a later delivery. With NumPy output its deliveries share memory
 as read-only views (a write raises). torch has no read-only tensors, so with
 ``copy_repeats`` every delivery but the last is a copy, and the last gets the
-original memory: each tensor yielded can be modified in place.
+original memory: each tensor yielded can be modified in place. Whether a
+batch's leaves become tensors is read from its structure, which the chain may
+learn only from its first batch.
 
 With exact echo counts the stage's state names its resident batches by their
 rows (``entries``: ``rows``, deliveries ``left`` of ``deliveries``), the last
@@ -37,7 +41,8 @@ class BatchEchoSpec:
 
     Attributes:
         resident: batches held at once.
-        batch_size: rows of a full batch.
+        batch_size: rows of a full batch; None: no fixed size (a batch
+            sampler's batches), every batch is full.
         echo_factor: mean deliveries per batch (``floor(e)`` or ``floor(e) + 1``),
             or None for "auto": a batch is repeated only when no fresh one is
             ready, at most about ``max_echo`` times in all.
@@ -53,7 +58,7 @@ class BatchEchoSpec:
     """
 
     resident: int
-    batch_size: int
+    batch_size: int | None
     echo_factor: float | None
     max_echo: float
     exact: bool
@@ -77,9 +82,9 @@ class BatchEchoStage:
         spec: the stage's settings.
         upstream: the stage whose batches are echoed.
         seed: seeds the echo counts and picks.
-        copy_repeats: copies a batch's arrays, or None: deliver copies (and the
-            original last) instead of read-only views of one batch (for torch
-            output, see above).
+        copy_repeats: copies a batch's arrays, or None: where a batch's leaves
+            become tensors (see above), deliver copies (and the original last)
+            instead of read-only views of one batch.
         resume: this stage's state from a checkpoint, or None.
         read_batch: reads a batch again from its rows (for ``resume``).
     """
@@ -91,6 +96,7 @@ class BatchEchoStage:
                  read_batch: Callable[[dict[str, np.ndarray]], Batch] | None = None) -> None:
         self._upstream = upstream
         self._copy_repeats = copy_repeats
+        self._torch_output = spec.torch_output
         self._resident = spec.resident
         self._batch_size = spec.batch_size
         self._echo = spec.echo_factor
@@ -122,6 +128,8 @@ class BatchEchoStage:
         delivered once; else read-only views, or copies but for the last."""
         batch = entry.batch
         copy = self._copy_repeats
+        if copy is not None and not (self._torch_output or any(batch.structure.torch_dtypes)):
+            copy = None  # no tensors (bfloat16 leaves are): read-only views serve
         if entry.deliveries == 1 or (copy is not None and entry.left == 0):
             return batch
         return Batch(batch.structure, copy(batch.arrays) if copy is not None else read_only(batch.arrays), batch.rows)
@@ -182,7 +190,7 @@ class BatchEchoStage:
             raise StopIteration
         # The consumer would wait: repeat a full batch, unless the short one
         # (the upstream's last) has come: nothing may follow it but the end.
-        if not self._short_came and any(e.left > 0 and self._full(e) for e in self._entries):
+        if not self._short_came and any(e.left > 0 and self._full(e.batch) for e in self._entries):
             return self._pick(lambda e: e.left > 0)
         return self._pull(timeout=None)
 
@@ -198,7 +206,7 @@ class BatchEchoStage:
                 raise
             return self._entries[0]  # fixed: drain what is resident
         self.fresh_batches += 1
-        self._short_came = self._short_came or len(batch) < self._batch_size
+        self._short_came = self._short_came or not self._full(batch)
         deliveries = self._draw_count(self._echo if self._echo is not None else self._max_echo)
         entry = _Entry(batch, deliveries, deliveries)
         if len(self._entries) >= self._resident:
@@ -206,8 +214,9 @@ class BatchEchoStage:
         self._entries.append(entry)
         return entry
 
-    def _full(self, entry: _Entry) -> bool:
-        return len(entry.batch) == self._batch_size
+    def _full(self, batch: Batch) -> bool:
+        """A batch of the full size (every batch, where there is no fixed size)."""
+        return self._batch_size is None or len(batch) == self._batch_size
 
     def _pick(self, eligible: Callable[[_Entry], bool]) -> _Entry:
         """A resident batch other than the last one yielded, chosen with odds
@@ -215,7 +224,7 @@ class BatchEchoStage:
         pending deliveries, which also empties the buffer evenly at the end.
         A full batch is chosen while there is one: short batches go last."""
         pool = [e for e in self._entries if eligible(e)]
-        pool = [e for e in pool if self._full(e)] or pool
+        pool = [e for e in pool if self._full(e.batch)] or pool
         choices = [e for e in pool if e is not self._last] or pool
         weights = np.array([e.left for e in choices], dtype=np.float64)
         return choices[int(self._rng.choice(len(choices), p=weights / weights.sum()))]

@@ -2,6 +2,9 @@
 first to last, each from its own spec and its own part of a checkpoint:
 
     intake -> [batch_echo] -> [augment] -> [delivery]
+
+The intake is the echo buffer's (dataecho.pipeline.intake) or, with a
+``batch_sampler``, the sampler's batches (dataecho.pipeline.batches).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any, Callable
 from ..examples.structure import Structure
 from ..reading.source import EpochSource
 from ..workers.failure import Failure
-from . import augment, batch_echo, checkpoint, delivery, intake
+from . import augment, batch_echo, batches, checkpoint, delivery, intake
 from .checkpoint import StateCheck
 from .plan import Plan
 from .stage import Stage
@@ -23,14 +26,19 @@ __all__ = ["JOIN_TIMEOUT_S", "Chain", "build_chain", "state_checks"]
 
 JOIN_TIMEOUT_S = 5.0  # how long a stopped epoch waits for each stage's threads
 
-_CHECKS: dict[str, Callable[..., dict]] = {"intake": intake.check_state, "batch_echo": batch_echo.check_state,
-                                  "augment": augment.check_state, "delivery": delivery.check_state}
+# Each stage's check, by its spec's type (two intakes share the name "intake").
+_CHECKS: dict[type, Callable[..., dict]] = {
+    intake.IntakeSpec: intake.check_state, batches.BatchesSpec: batches.check_state,
+    batch_echo.BatchEchoSpec: batch_echo.check_state, augment.AugmentSpec: augment.check_state,
+    delivery.DeliverySpec: delivery.check_state,
+}
 
 
 def state_checks(plan: Plan) -> dict[str, StateCheck]:
     """Per stage whose state an exact checkpoint of ``plan``'s epochs holds, its
     check, bound to the stage's spec (which bounds what it could have saved)."""
-    return {name: functools.partial(_CHECKS[name], getattr(plan, name)) for name in plan.stage_names}
+    specs = {name: getattr(plan, name) for name in plan.stage_names}
+    return {name: functools.partial(_CHECKS[type(spec)], spec) for name, spec in specs.items()}
 
 
 @dataclass
@@ -89,8 +97,9 @@ class Chain:
         return found
 
 
-def build_chain(chain: Chain, plan: Plan, structure: Structure, source: EpochSource, first: Any,
-                resume: dict[str, Any] | None, on_failure: Callable[[], None], probing: Any = None) -> None:
+def build_chain(chain: Chain, plan: Plan, structure: Structure | None, source: EpochSource, first: Any,
+                resume: dict[str, Any] | None, on_failure: Callable[[], None], probing: Any = None,
+                on_structure: Callable[[Structure], None] = lambda structure: None) -> None:
     """Builds and starts the stages of one epoch into ``chain``, first to last.
 
     A stage thread may fail while later stages are still being built: each
@@ -100,16 +109,17 @@ def build_chain(chain: Chain, plan: Plan, structure: Structure, source: EpochSou
     Args:
         chain: where the stages go.
         plan: the loader's plan.
-        structure: the examples' structure.
+        structure: the examples' structure (None: a batch sampler's intake learns it).
         source: this epoch's view of the source.
         first: the examples read to learn the structure (put first), or none.
         resume: the epoch's state from a checkpoint ({stage name: state}), or None.
         on_failure: stops the epoch; stage threads call it after recording an error.
         probing: workers that read the first examples and wait for the echo
             buffer (dataecho.pipeline.intake.start_probe), or None.
+        on_structure: called with the structure a batch sampler's intake learned.
     """
     try:
-        _build(chain, plan, structure, source, first, resume or {}, on_failure, probing)
+        _build(chain, plan, structure, source, first, resume or {}, on_failure, probing, on_structure)
     except BaseException:
         # Ctrl-C or an error part-way: the stages started so far stop too.
         for stage in reversed(chain.stages):
@@ -119,21 +129,24 @@ def build_chain(chain: Chain, plan: Plan, structure: Structure, source: EpochSou
         raise
 
 
-def _build(chain: Chain, plan: Plan, structure: Structure, source: EpochSource, first: Any,
-           states: dict[str, Any], on_failure: Callable[[], None], probing: Any) -> None:
+def _build(chain: Chain, plan: Plan, structure: Structure | None, source: EpochSource, first: Any,
+           states: dict[str, Any], on_failure: Callable[[], None], probing: Any,
+           on_structure: Callable[[Structure], None]) -> None:
     if states and plan.checkpoint == "exact" and source.order is None:
         # An iterable resumes by reading itself again up to where its intake
         # stood, keeping the examples the state names on the way.
         source.keep(checkpoint.named_rows(states), int(states["intake"].get("next_seq", 0)))
-    stage = intake.IntakeStage(plan.intake, source, structure, first, chain.failure, on_failure,
-                               states.get("intake"), probing)
+    if plan.reads_batches:
+        stage = batches.BatchesIntake(plan.intake, source, structure, chain.failure, on_failure,
+                                      states.get("intake"), on_structure)
+    else:
+        stage = intake.IntakeStage(plan.intake, source, structure, first, chain.failure, on_failure,
+                                   states.get("intake"), probing)
     last: Stage = _add(chain, stage)
     read_batch = stage.read_batch
     if plan.batch_echo is not None:
         spec = plan.batch_echo
-        copy = None
-        if spec.views_batch_memory and (spec.torch_output or any(structure.torch_dtypes)):
-            copy = stage.copy_arrays  # bfloat16 leaves are tensors too
+        copy = stage.copy_arrays if spec.views_batch_memory else None  # used where the leaves are tensors
         last = _add(chain, batch_echo.BatchEchoStage(spec, last, source.seeds[1], copy, states.get("batch_echo"),
                                                      read_batch))
     if plan.augment is not None:

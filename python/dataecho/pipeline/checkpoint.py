@@ -7,7 +7,8 @@ A state is a dict of ints, bools, dicts and NumPy arrays (picklable;
     format   "dataecho.EchoLoader/4"; a state of another format is refused
     epoch    the epoch to resume (or to start, when ``stages`` is None)
     config   the arguments that decide the sequence of batches (seed, rank,
-             world_size, the source's length, batch_size, echo_factor, echo_at,
+             world_size, the source's length, the sampler's and batch
+             sampler's types, batch_size, echo_factor, echo_at,
              shuffle_buffer, shuffle, drop_last, deterministic, max_echo, and
              whether augment takes an rng); a loader loads only a state whose
              values are its own, and a mismatch names the argument
@@ -17,9 +18,10 @@ A state is a dict of ints, bools, dicts and NumPy arrays (picklable;
     stages   None: the epoch starts from its beginning. Else {stage name: state}
              where the epoch stood between two batches (see
              dataecho.pipeline.plan). Each stage's module says what its state
-             holds, restores it, and checks it (``check_state``): intake,
-             batch_echo, augment, delivery. An iterable source read by threads
-             saves ``{"intake": {"skip": n}}`` alone.
+             holds, restores it, and checks it (``check_state``): intake
+             (dataecho.pipeline.intake, or with a batch sampler
+             dataecho.pipeline.batches), batch_echo, augment, delivery. An
+             iterable source read by threads saves ``{"intake": {"skip": n}}`` alone.
 
 A batch is named by ``{"rows": positions}``, and after augment also by
 ``"deliveries"`` (each row's delivery number, the key of its generator). A
@@ -40,8 +42,8 @@ import numpy as np
 
 from ..examples.described import described
 
-__all__ = ["FORMAT", "StateCheck", "array_at", "at", "batches_at", "bool_at", "check_state", "dict_at", "ids_of",
-           "int_at", "mapping", "named_rows"]
+__all__ = ["FORMAT", "StateCheck", "array_at", "at", "batches_at", "bool_at", "check_state", "compact", "dict_at",
+           "ids_of", "int_at", "mapping", "named_rows"]
 
 FORMAT = "dataecho.EchoLoader/4"
 
@@ -132,6 +134,13 @@ def named_rows(stages: dict[str, Any]) -> set[int]:
 
     visit(stages)
     return found
+
+
+def compact(indices: Any) -> np.ndarray:
+    """Indices to save (an order) in the smallest unsigned dtype that holds them."""
+    indices = np.asarray(indices)
+    top = int(indices.max()) if len(indices) else 0
+    return indices.astype(np.uint32 if top < (1 << 32) else np.uint64)
 
 
 def at(name: str) -> str:

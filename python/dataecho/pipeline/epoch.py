@@ -1,6 +1,7 @@
 """One pass over the source: the iterator ``iter(EchoLoader)`` returns.
 
-Where the examples' structure is known (a later epoch), the epoch has
+Where the examples' structure is known (a later epoch), or the intake learns
+it itself (a batch sampler's, from its first batch), the epoch has
 :func:`dataecho.pipeline.chain.build_chain` start the stages of its plan at
 once. Otherwise its workers start reading the first examples
 (dataecho.workers.probe) and the first ``next()`` learns the structure from
@@ -30,13 +31,10 @@ from .stage import Batch, weakly
 __all__ = ["Epoch"]
 
 
-def _inferred(first: list[Any], spec: Any, source: EpochSource) -> Structure | None:
-    """The structure of the first examples (None for none: an empty epoch)."""
-    declared = set(spec.declared_ragged) | source.declared_ragged()
-    return None if not first else Structure.infer(first[0], first[1:], declared, strict=spec.strict)
-
-
 LEAVE_WAIT_S = 2.0  # how long a dropped epoch waits for a stage thread's pull to take its state
+_STARVED = ("EchoLoader: the memory budget for ragged values ran out this epoch (producers waited for it), so some "
+            "batches were drawn from fewer examples than planned and their order depended on timing, despite "
+            "deterministic=True; raise ragged_bytes")
 
 
 def _probe_size(plan: Plan) -> int:
@@ -88,13 +86,12 @@ class Epoch:
         self._probing: Any = None  # workers reading the first examples before the chain exists
         self._built = False  # the chain exists (built at once, or by the first next() once the structure is known)
         self._plan, self._resume, self._on_structure = plan, resume, on_structure
-        map_style = plan.source.order is not None
-        skip = (resume or {}).get("intake", {}).get("skip", 0) if not map_style else 0
-        saved_order = (resume or {}).get("intake", {}).get("order")
-        self._source = EpochSource(plan.source, epoch, skip, pool, memory, saved_order)
+        saved = (resume or {}).get("intake", {})
+        skip = saved.get("skip", 0) if plan.source.order is None else 0
+        self._source = EpochSource(plan.source, epoch, skip, pool, memory, saved.get("order"), saved.get("bounds"))
         self.structure = structure
         try:
-            if structure is not None and resume is None:
+            if (structure is not None or plan.reads_batches) and resume is None:
                 self._build(structure, [])  # a resumed chain reads examples again: in next(), as errors come
             elif structure is None and plan.intake.workers.kind != "inline" and resume is None:
                 # The workers read the first examples; the chain is built from them in next().
@@ -104,10 +101,15 @@ class Epoch:
             self.close()
             raise
 
-    def _build(self, structure: Structure, first: list[Any], probing: Any = None) -> None:
+    def _build(self, structure: Structure | None, first: list[Any], probing: Any = None) -> None:
         build_chain(self._chain, self._plan, structure, self._source, first, self._resume, weakly(self.abort),
-                    probing)
+                    probing, weakly(self._learned))
         self._built = True
+
+    def _learned(self, structure: Structure) -> None:
+        """A batch sampler's intake learned the structure (in a worker thread)."""
+        self.structure = structure
+        self._on_structure(structure)
 
     def _start_chain(self, timeout_s: float | None) -> None:
         """The first next(), where iter() did not build the chain: learns the
@@ -118,12 +120,12 @@ class Epoch:
             TimeoutError: the workers' first examples did not come within ``timeout_s``.
         """
         structure, probing, first = self.structure, self._probing, []
-        if structure is None:
+        if structure is None and not self._plan.reads_batches:  # which learns it from its first batch
             first = probing.probe.examples(timeout_s) if probing is not None else self._source.first()
             if first is None:  # a worker failed, or the epoch was stopped
                 self._chain.failure.raise_if_set()
                 raise StopIteration
-            structure = self.structure = _inferred(first, self._spec, self._source)
+            structure = self.structure = self._source.structure_of(first, self._spec.declared_ragged, self._spec.strict)
             if structure is None:  # an empty epoch
                 self._built = True
                 return
@@ -270,10 +272,7 @@ class Epoch:
         self._closed = True
         self._state = state
         if self._spec.warn_starved and any(s.counters().get("starved") for s in self._chain.stages):
-            warnings.warn("EchoLoader: the memory budget for ragged values ran out this epoch (producers waited "
-                          "for it), so some batches were drawn from fewer examples than planned and their order "
-                          "depended on timing, despite deterministic=True; raise ragged_bytes", RuntimeWarning,
-                          stacklevel=3)
+            warnings.warn(_STARVED, RuntimeWarning, stacklevel=3)
         self.abort()
         for stage in reversed(self._chain.stages):
             stage.join(JOIN_TIMEOUT_S if wait else 0.0)

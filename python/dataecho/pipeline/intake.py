@@ -298,7 +298,7 @@ class IntakeStage:
         # An iterable's examples are named by their position in the iteration alone.
         order = self._source.order if self._map_style else np.arange(int(snap.next_seq))
         if self._source.sampled:  # a sampler may not give this order again: it is saved
-            state["order"] = _compact(order if isinstance(order, np.ndarray) else order.read)
+            state["order"] = checkpoint.compact(order if isinstance(order, np.ndarray) else order.read)
         state.update(
             positions=positions,
             indices=np.asarray(order[positions.astype(np.int64)], dtype=np.int64),
@@ -321,13 +321,6 @@ class IntakeStage:
                        "ragged_bytes_in_use": stats["pages_in_use"] * page, "ragged_bytes": stats["pages"] * page},
             "workers": self._producers.counters() if self._producers is not None else [],
         }
-
-
-def _compact(indices: Any) -> np.ndarray:
-    """A saved order in the smallest unsigned dtype that holds it."""
-    indices = np.asarray(indices)
-    top = int(indices.max()) if len(indices) else 0
-    return indices.astype(np.uint32 if top < (1 << 32) else np.uint64)
 
 
 def start_probe(spec: IntakeSpec, source: EpochSource, size: int, failure: Failure,

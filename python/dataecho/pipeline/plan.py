@@ -12,7 +12,8 @@ and never sees the configuration. The chain an epoch runs is::
 ``batch_echo`` with ``echo_at="batch"`` (not in order), ``augment`` where one
 is given, ``delivery`` with a device, and wherever a checkpoint is exact (it
 owns the batches on their way out, so that a state taken with a device resumes
-without one).
+without one). With a ``batch_sampler`` the intake is the sampler's batches, read
+whole (dataecho.pipeline.batches), and echo repeats them whole (``batch_echo``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..reading.source import SourceSpec
 from ..workers.spec import WorkersSpec
 from .augment import AugmentSpec
 from .batch_echo import BatchEchoSpec
+from .batches import BatchesSpec
 from .delivery import DeliverySpec
 from .intake import IntakeSpec
 
@@ -69,7 +71,8 @@ class Plan:
 
     Attributes:
         source: what the epoch reads.
-        intake, batch_echo, augment, delivery: the stages' specs (None: not in the chain).
+        intake, batch_echo, augment, delivery: the stages' specs (None: not in
+            the chain); the intake's is a BatchesSpec with a batch sampler.
         output: the consumer's side.
         batches_per_epoch: ``len(loader)`` (TypeError where it is not known).
         checkpoint: how a state is taken mid-epoch: ``"exact"`` (every stage's
@@ -78,13 +81,19 @@ class Plan:
     """
 
     source: SourceSpec
-    intake: IntakeSpec
+    intake: IntakeSpec | BatchesSpec
     batch_echo: BatchEchoSpec | None
     augment: AugmentSpec | None
     delivery: DeliverySpec | None
     output: OutputSpec
     checkpoint: str | None
     batches_per_epoch: Callable[[], int]
+
+    @property
+    def reads_batches(self) -> bool:
+        """The intake reads a batch sampler's batches whole (dataecho.pipeline.batches),
+        and learns the examples' structure from the first of them itself."""
+        return isinstance(self.intake, BatchesSpec)
 
     @property
     def stage_names(self) -> list[str]:
@@ -97,12 +106,13 @@ def plan(config: LoaderConfig) -> Plan:
     """The specs of ``config``'s epochs (see the module docstring)."""
     exact = config.exact_checkpoint
     order = OrderSpec(config.dataset, config.sampler, config.shard, config.shuffle, config.seed,
-                      config.drop_last) if config.map_style else None
+                      config.drop_last, config.batch_sampler) if config.map_style else None
     source = SourceSpec(config.dataset, config.transform, order, config.seed, config.shard.rank,
                         for_processes=config.worker_type == "process", chunk=min(CHUNK, config.batch_size))
     batch_echo = _batch_echo(config, exact) if config.echo.at == "batch" and not config.in_order else None
+    intake = _batches(config, source) if config.batch_sampler is not None else _intake(config, source, exact)
     return Plan(
-        source=source, intake=_intake(config, source, exact), batch_echo=batch_echo,
+        source=source, intake=intake, batch_echo=batch_echo,
         augment=_augment(config, exact) if config.augment is not None else None,
         delivery=DeliverySpec(config.device, config.padding) if exact or config.device is not None else None,
         output=OutputSpec(config.output == "torch" and config.device is None, config.batched, config.collate_fn,
@@ -152,6 +162,13 @@ def _intake(config: LoaderConfig, source: SourceSpec, exact: bool) -> IntakeSpec
     )
 
 
+def _batches(config: LoaderConfig, source: SourceSpec) -> BatchesSpec:
+    # No echo buffer: the sampler's batches are read whole, `prefetch` of them
+    # ahead (at least one per worker thread).
+    return BatchesSpec(source=source, workers=_workers(config), ahead=config.prefetch,
+                       declared_ragged=config.ragged or frozenset(), unresumable=_unresumable(config))
+
+
 def _unresumable(config: LoaderConfig) -> str | None:
     """Why no state can be taken mid-epoch, or None (see Plan.checkpoint)."""
     if _checkpoint(config) is not None:
@@ -165,7 +182,9 @@ def _unresumable(config: LoaderConfig) -> str | None:
 def _batch_echo(config: LoaderConfig, exact: bool) -> BatchEchoSpec:
     # torch has no read-only tensors: where its tensors view the batch memory
     # (no augment, no device copy), a repeat is delivered from its own memory.
-    return BatchEchoSpec(resident=config.shuffle_buffer, batch_size=config.batch_size, echo_factor=config.echo.factor,
+    # A batch sampler's batches have no fixed size: every one is full.
+    batch_size = None if config.batch_sampler is not None else config.batch_size
+    return BatchEchoSpec(resident=config.shuffle_buffer, batch_size=batch_size, echo_factor=config.echo.factor,
                          max_echo=config.echo.max_echo, exact=config.exact_echo,
                          torch_output=config.output == "torch",
                          views_batch_memory=config.augment is None and config.device is None)
@@ -198,16 +217,22 @@ def _pinned_batches(config: LoaderConfig) -> int:
 def _batches_per_epoch(config: LoaderConfig, order: OrderSpec | None) -> int:
     """``len(loader)``: batches per epoch on this rank, for a map-style source and
     a fixed echo factor: integer, or fractional with exact echo counts
-    (``deterministic=True`` or several ranks).
+    (``deterministic=True`` or several ranks). With a batch sampler, its
+    ``len()`` times the echo factor (batch echo counts, exact).
 
     Raises:
-        TypeError: an iterable source, or a number of batches that is random.
+        TypeError: an iterable source, a batch sampler without ``len()``, or a
+            number of batches that is random.
     """
     if order is None:
         raise TypeError("len(): the source is an iterable of unknown length")
     echo = config.echo
     if echo.auto or not (echo.whole or config.exact_echo):
         raise TypeError("len(): the number of batches is random with a fractional or 'auto' echo factor")
+    if config.batch_sampler is not None:
+        if not hasattr(config.batch_sampler, "__len__"):
+            raise TypeError("len(): the batch_sampler has no len()")
+        return exact_deliveries(len(config.batch_sampler), echo.factor)
     rounding = math.floor if config.drop_last else math.ceil
     examples = order.examples_per_epoch()
     if echo.at == "batch":

@@ -49,15 +49,15 @@ def resumed(config: Any, planned: Plan, state: Any) -> tuple[Any, Plan, dict[str
 
 def _saved_order(order: Any, epoch: int, saved: np.ndarray | None) -> np.ndarray | None:
     """The order of the epoch a state resumes: a map-style source's own, a
-    sampler's as the state saved it (never drawn again: a RandomSampler would
-    give another), None for an iterable."""
+    sampler's (or a batch sampler's) as the state saved it (never drawn again:
+    a RandomSampler would give another), None for an iterable."""
     if order is None:
         return None
-    if order.sampler is None:
+    if not order.sampled:
         return order.order(epoch)
     if saved is None:
-        raise ValueError("state['stages']['intake']['order']: missing; a state of a loader with a sampler saves "
-                         "the sampler's order")
+        raise ValueError("state['stages']['intake']['order']: missing; a state of a loader with a sampler or a "
+                         "batch_sampler saves its order")
     if len(saved) and saved.max() >= len(order.dataset):
         raise ValueError("state['stages']['intake']['order']: indices beyond the dataset")
     return saved

@@ -4,7 +4,9 @@ reads in an epoch, and in which order.
 Without a ``sampler`` it is this rank's shard of a permutation seeded by (seed,
 epoch), the same on every rank (see dataecho.reading.sharding). With one it is what
 the sampler yields (dataecho.reading.sampled), not sharded again: as in
-DataLoader, a sampler (``DistributedSampler``, say) decides.
+DataLoader, a sampler (``DistributedSampler``, say) decides. With a
+``batch_sampler`` it is the sampler's batches one after another, with where each
+batch starts (:meth:`OrderSpec.batches`), not sharded again either.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from .sampled import LazyOrder, sampled_order
+from .sampled import LazyOrder, batched_order, sampled_order
 from .sharding import Shard
 
 __all__ = ["LoaderSampler", "OrderSpec", "order_seed"]
@@ -37,6 +39,8 @@ class OrderSpec:
         shuffle: permute the dataset each epoch (without a sampler).
         seed: seeds the permutations; the same on every rank.
         drop_last: a shard drops the tail that does not divide evenly, instead of padding.
+        batch_sampler: an iterable of lists of indices that decides the order
+            and the batches, or None.
     """
 
     dataset: Any
@@ -45,32 +49,60 @@ class OrderSpec:
     shuffle: bool
     seed: int
     drop_last: bool
+    batch_sampler: Any = None
+
+    @property
+    def sampled(self) -> bool:
+        """A sampler or batch sampler decides the order: it may not give it again,
+        so a state saves it (see :meth:`resumed`)."""
+        return self.sampler is not None or self.batch_sampler is not None
 
     def order(self, epoch: int) -> np.ndarray | LazyOrder:
         """The dataset indices read in ``epoch``, in reading order (a sampler's
-        as dataecho.reading.sampled reads it: a LazyOrder where it has no length).
+        as dataecho.reading.sampled reads it: a LazyOrder where it has no length;
+        a batch sampler's batches one after another).
 
         Raises:
             TypeError, IndexError: a sampler that yields something else than
-                indices of the dataset.
+                indices of the dataset (ValueError: an empty batch).
         """
         length = len(self.dataset)
+        if self.batch_sampler is not None:
+            return self.batches()[0]
         if self.sampler is None:
             return self.shard.order(length, self.shuffle, order_seed(self.seed, epoch), self.drop_last)
         return sampled_order(self.sampler, length)
+
+    def batches(self) -> tuple[np.ndarray, np.ndarray]:
+        """The batch sampler's batches for one epoch, read now, as (order, bounds):
+        see dataecho.reading.sampled.batched_order.
+
+        Raises:
+            TypeError, IndexError, ValueError: a batch that is not a non-empty
+                list of indices of the dataset.
+        """
+        return batched_order(self.batch_sampler, len(self.dataset))
 
     def resumed(self, saved: np.ndarray) -> np.ndarray | LazyOrder:
         """A sampler's order of an epoch resumed from a state, which saved the
         indices it had read (all of them, for a sampler with a length): a
         sampler that draws a new order each time (``RandomSampler``) is not
         asked again for the positions the state names. A sampler without a
-        length goes on from where the saved indices end."""
-        if hasattr(self.sampler, "__len__"):
+        length goes on from where the saved indices end; a batch sampler's
+        order was saved whole."""
+        if self.batch_sampler is not None or hasattr(self.sampler, "__len__"):
             return saved
         return LazyOrder(itertools.islice(iter(self.sampler), len(saved), None), len(self.dataset), saved)
 
     def examples_per_epoch(self) -> int:
-        """Examples this rank reads per epoch."""
+        """Examples this rank reads per epoch.
+
+        Raises:
+            TypeError: a sampler without a length, or a batch sampler (its
+                batches' sizes are known once it is read).
+        """
+        if self.batch_sampler is not None:
+            raise TypeError("len(): the examples of a batch_sampler's epoch are known once its batches are read")
         if self.sampler is not None:
             if not hasattr(self.sampler, "__len__"):
                 raise TypeError("len(): the sampler has no len()")

@@ -8,6 +8,10 @@ a time as the workers claim positions (:class:`LazyOrder`), never all at once.
 Every index is checked as it is read: an integral number (``int``, a NumPy or
 0-d torch integer) within the dataset, else a ``TypeError`` or ``IndexError``
 naming ``sampler``; nothing is coerced.
+
+A ``batch_sampler``'s batches (lists of indices) are read whole at the
+epoch's start (:func:`batched_order`): one flat order and where each batch
+starts in it, checked the same way, the errors naming ``batch_sampler``.
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ from __future__ import annotations
 import itertools
 import operator
 import threading
+from collections.abc import Iterable
 from typing import Any, Iterator
 
 import numpy as np
 
-__all__ = ["LazyOrder", "checked_indices", "sampled_order"]
+__all__ = ["LazyOrder", "batched_order", "checked_indices", "sampled_order"]
 
 _BLOCK = 1024  # indices read from a lazy sampler at a time
 
@@ -34,25 +39,58 @@ def sampled_order(sampler: Any, length: int) -> np.ndarray | LazyOrder:
     return order
 
 
-def checked_indices(items: Iterator[Any], length: int, limit: int = -1) -> np.ndarray:
+def batched_order(batch_sampler: Any, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """The batches ``batch_sampler`` yields for one epoch, read once (its first
+    ``len(batch_sampler)`` where it has a length, else to its end), checked
+    against a dataset of ``length`` examples.
+
+    Returns:
+        (order, bounds): every batch's indices one after another, and where
+        each batch starts: batch ``i`` is ``order[bounds[i]:bounds[i + 1]]``.
+
+    Raises:
+        TypeError: a batch that is not an iterable of indices, or an item that
+            is not an integral number.
+        IndexError: an index outside the dataset.
+        ValueError: an empty batch.
+    """
+    batches = iter(batch_sampler)
+    if hasattr(batch_sampler, "__len__"):
+        batches = itertools.islice(batches, len(batch_sampler))
+    parts, bounds = [], [0]
+    for number, batch in enumerate(batches):
+        if isinstance(batch, (str, bytes)) or not isinstance(batch, Iterable):
+            raise TypeError(f"batch_sampler: expected it to yield lists of int indices, got {batch!r} "
+                            f"({type(batch).__name__}) as batch {number}")
+        indices = checked_indices(iter(batch), length, name="batch_sampler")
+        if not len(indices):
+            raise ValueError(f"batch_sampler: batch {number} is empty; a batch holds at least one index "
+                             f"(as DataLoader needs)")
+        parts.append(indices)
+        bounds.append(bounds[-1] + len(indices))
+    order = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return order, np.asarray(bounds, dtype=np.int64)
+
+
+def checked_indices(items: Iterator[Any], length: int, limit: int = -1, name: str = "sampler") -> np.ndarray:
     """Up to ``limit`` items (all for -1) as int64 indices of a dataset of ``length`` examples.
 
     Raises:
-        TypeError: an item that is not an integral number.
+        TypeError: an item that is not an integral number (naming ``name``, the argument that yielded it).
         IndexError: an index outside the dataset.
     """
     if limit >= 0:
         items = itertools.islice(items, limit)
-    return np.fromiter((_index(item, length) for item in items), dtype=np.int64)
+    return np.fromiter((_index(item, length, name) for item in items), dtype=np.int64)
 
 
-def _index(item: Any, length: int) -> int:
+def _index(item: Any, length: int, name: str) -> int:
     try:
         index = operator.index(item)
     except TypeError:
-        raise TypeError(f"sampler: expected it to yield int indices, got {item!r} ({type(item).__name__})") from None
+        raise TypeError(f"{name}: expected it to yield int indices, got {item!r} ({type(item).__name__})") from None
     if not 0 <= index < length:
-        raise IndexError(f"sampler: yielded index {index}, outside the dataset's {length} examples")
+        raise IndexError(f"{name}: yielded index {index}, outside the dataset's {length} examples")
     return index
 
 

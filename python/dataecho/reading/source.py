@@ -13,7 +13,7 @@ import itertools
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 import numpy as np
 
@@ -76,10 +76,15 @@ class EpochSource:
         spec: what to read.
         epoch: the epoch number (seeds the order).
         skip: iterable sources: examples to read and drop first (a resume).
+        saved_order, saved_bounds: a sampler's order (and a batch sampler's
+            bounds) as a state saved them (a resume), or None.
 
     Attributes:
         order: map-style: the dataset index at each position this rank reads;
             None for iterables.
+        bounds: with a batch sampler, where each of its batches starts in
+            ``order`` (batch i is positions ``bounds[i]`` to ``bounds[i + 1] - 1``);
+            else None.
         reader: map-style: how positions of the order are read (dataecho.reading.readers).
         seeds: per-rank seeds of this epoch: [unused, batch echo and workers,
             echo buffer, augment output].
@@ -91,12 +96,14 @@ class EpochSource:
     """
 
     def __init__(self, spec: SourceSpec, epoch: int, skip: int = 0, pool: Any = None,
-                 memory: Any = None, saved_order: np.ndarray | None = None) -> None:
+                 memory: Any = None, saved_order: np.ndarray | None = None,
+                 saved_bounds: np.ndarray | None = None) -> None:
         self.spec = spec
         self.epoch = epoch
         self.pool, self.memory = pool, memory
         self.transform, self.chunk = spec.transform, spec.chunk
         self.order: np.ndarray | None = None
+        self.bounds: np.ndarray | None = None
         self.reader: Any = None
         self._skip = skip
         self._iterator: Iterator[Any] | None = None
@@ -104,7 +111,10 @@ class EpochSource:
         if spec.order is not None:
             # The same permutation on every rank (seeded by seed and epoch alone),
             # of which this rank reads its shard.
-            self.order = spec.order.order(epoch) if saved_order is None else spec.order.resumed(saved_order)
+            if spec.order.batch_sampler is not None:  # read whole now: its batches are the epoch's
+                self.order, self.bounds = spec.order.batches() if saved_order is None else (saved_order, saved_bounds)
+            else:
+                self.order = spec.order.order(epoch) if saved_order is None else spec.order.resumed(saved_order)
             self.reader = map_reader(spec.dataset, spec.transform, self.order)
         # The shuffle, echo and worker seeds differ per rank.
         seeds = np.random.SeedSequence([spec.seed, epoch, spec.rank]).generate_state(4, dtype=np.uint64)
@@ -136,8 +146,8 @@ class EpochSource:
 
     @property
     def sampled(self) -> bool:
-        """The order is a sampler's: a state saves it (see OrderSpec.resumed)."""
-        return self.spec.order is not None and self.spec.order.sampler is not None
+        """The order is a sampler's (or a batch sampler's): a state saves it (see OrderSpec.resumed)."""
+        return self.spec.order is not None and self.spec.order.sampled
 
     def available(self, count: int) -> int:
         """Map-style: how many of the first ``count`` positions exist."""
@@ -171,6 +181,13 @@ class EpochSource:
         if self.order is not None:
             return [self.read(position) for position in range(self.available(SAMPLE))]
         return [self.transformed(example) for example in itertools.islice(self.iterator, SAMPLE)]
+
+    def structure_of(self, examples: list[Any], declared: Collection[str], strict: bool = True) -> Structure | None:
+        """The structure of the first examples read (None for none: an empty
+        epoch), with the leaves ``declared`` ragged and those the source itself
+        says vary in length (see Structure.infer)."""
+        declared = set(declared) | self.declared_ragged()
+        return None if not examples else Structure.infer(examples[0], examples[1:], declared, strict=strict)
 
     def declared_ragged(self) -> set[str]:
         """Leaves the source itself says vary in length: a Hugging Face dataset's

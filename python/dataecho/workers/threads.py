@@ -26,7 +26,7 @@ from .failure import Failure
 from .probe import Probe, ProbePositions
 from .spec import WorkersSpec
 
-__all__ = ["AUTO_THREADS", "Producers"]
+__all__ = ["AUTO_THREADS", "Growth", "Producers"]
 
 _END = object()
 AUTO_THREADS = 8  # workers=None: the most reading threads it grows to
@@ -114,7 +114,7 @@ class Producers:
         position is also the example's sequence number."""
         if self.probe is None:
             self._columns = Columns(self._structure, self._buffer.fields, self._buffer.codec)
-        self._growth = _Growth(self._auto_limit)
+        self._growth = Growth(self._auto_limit)
         self._spawn([self._read_map] * self._workers)
 
     def start_iterable(self, first_seq: int = 0, ready: list | None = None) -> None:
@@ -331,7 +331,7 @@ class _Sink:
         return True
 
 
-class _Growth:
+class Growth:
     """``workers=None``: one reading thread, and more only where reading waits
     rather than computes. A read whose thread's CPU time is a small part of its
     wall time waits on I/O, a sleep or a lock, and more threads overlap those
