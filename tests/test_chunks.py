@@ -26,7 +26,7 @@ from dataecho.native.buffer import NativeBuffer
 from dataecho.native.sizing import buffer_config
 from dataecho.reading.arrays import rows_contiguous
 from dataecho.reading.chunking import CHUNK
-from dataecho.workers.threads import AUTO_THREADS, _Growth
+from dataecho.workers.threads import AUTO_THREADS, Growth
 
 N = 1000
 
@@ -447,15 +447,15 @@ def test_by_default_reads_that_wait_get_more_threads_and_every_example_comes_onc
 
 
 def test_growth_asks_for_wall_over_cpu_threads_once_after_its_sample():
-    io_bound = _Growth(AUTO_THREADS)
+    io_bound = Growth(AUTO_THREADS)
     assert io_bound.observe(0.01, 0.001) == 0, "not decided before its sample"
     assert io_bound.observe(0.05, 0.001) == AUTO_THREADS - 1, "60 ms of wall on 2 ms of CPU: the limit"
     assert io_bound.observe(1.0, 0.0) == 0, "decided once"
-    cpu_bound = _Growth(AUTO_THREADS)
+    cpu_bound = Growth(AUTO_THREADS)
     assert cpu_bound.observe(0.06, 0.055) == 0, "a read that computes keeps one thread"
-    half = _Growth(AUTO_THREADS)
+    half = Growth(AUTO_THREADS)
     assert half.observe(0.06, 0.02) == 2, "wall / cpu = 3 threads in all"
-    assert _Growth(1).observe(10.0, 0.0) == 0, "workers given: no growth"
+    assert Growth(1).observe(10.0, 0.0) == 0, "workers given: no growth"
 
 
 def test_given_workers_are_kept_as_given(seed):
