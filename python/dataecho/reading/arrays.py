@@ -78,7 +78,8 @@ class ArrayReader:
         return rows if self._tuple else rows[0]
 
     def chunks(self, first: int, count: int, columns: Columns) -> Iterator[Chunk]:
-        indices = np.asarray(self._order[first:first + count], dtype=np.int64)  # checked by epoch_order
+        # Checked by the order; contiguous, as the native gather reads them (a rank's shard is a strided view).
+        indices = np.ascontiguousarray(self._order[first:first + count], dtype=np.int64)
         count = len(indices)  # fewer where a lazily read order ends before
         if not count:
             return

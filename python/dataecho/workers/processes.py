@@ -126,7 +126,9 @@ class ProcessProducers:
             self._monitor.start()
         except BaseException:
             # Ctrl-C (or a failed start) part-way: the workers already started stop too.
-            buffer.abort()
+            if buffer is not None:
+                buffer.abort()
+            self.stop()
             self.join()
             raise
 
