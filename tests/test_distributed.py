@@ -5,6 +5,7 @@ explicit rank / world_size."""
 from __future__ import annotations
 
 import json
+import pickle
 import socket
 import subprocess
 import sys
@@ -72,8 +73,10 @@ def test_bad_rank_arguments():
         dataecho.EchoLoader(range(10), rank=2, world_size=2)
     with pytest.raises(ValueError, match="world_size"):
         dataecho.EchoLoader(range(10), rank=0, world_size=0)
-    with pytest.raises(ValueError, match="echo_factor: 'auto'.*world_size=2"):
-        dataecho.EchoLoader(range(10), rank=0, world_size=2, echo_factor="auto")
+    with pytest.raises(ValueError, match="echo_factor: 'auto'.*deterministic=True"):
+        dataecho.EchoLoader(range(10), rank=0, world_size=2, echo_factor="auto", deterministic=True)
+    # 'auto' on several ranks echoes in lockstep (see test_auto_echo_keeps_the_ranks_in_lockstep...).
+    assert dataecho.EchoLoader(range(10), rank=0, world_size=2, echo_factor="auto")._plan.lockstep is not None
 
 
 RANK_SCRIPT = """
@@ -116,3 +119,150 @@ def test_two_processes_on_gloo(tmp_path):
     assert len(results[0]["batches"]) == len(results[1]["batches"]) == results[0]["max_steps"] == results[0]["len"]
     assert set(ids[0]) | set(ids[1]) == set(range(2001))
     assert len(set(ids[0]) & set(ids[1])) <= 1, "only the padding index may repeat across ranks"
+
+
+# ---- resuming under another world size ----
+
+
+def run_job(world_size, states=None, cut=None, epochs=1, **kwargs):
+    """Every rank of a job (explicit ranks, one process): each loads `states`
+    (every old rank's) where given, and either stops after `cut` batches (then
+    returns their states) or runs `epochs`. Returns (delivered ids, states, batches per rank)."""
+    seen, saved, lengths = Counter(), [], []
+    for rank in range(world_size):
+        loader = dataecho.EchoLoader(np.arange(1001), batch_size=16, rank=rank, world_size=world_size,
+                                     shuffle_buffer=64, **kwargs)
+        if states is not None:
+            loader.load_state_dict(states)
+        batches = 0
+        for _ in range(epochs if cut is None else 1):
+            for batch in loader:
+                seen.update(batch.tolist())
+                batches += 1
+                if batches == cut:
+                    break
+        saved.append(pickle.loads(pickle.dumps(loader.state_dict())))
+        lengths.append(batches)
+        loader.close()
+    return seen, saved, lengths
+
+
+ELASTIC = {
+    "threads": {"echo_factor": 2, "num_workers": 2},
+    "processes": {"echo_factor": 2, "num_workers": 2, "worker_type": "process"},
+    "fractional": {"echo_factor": 1.5, "num_workers": 2},
+    "augment": {"echo_factor": 2, "num_workers": 1, "augment": lambda x, rng: x},
+}
+
+
+@pytest.mark.parametrize("old,new", [(2, 4), (4, 2)])
+@pytest.mark.parametrize("case", list(ELASTIC))
+def test_a_job_resumes_mid_epoch_under_another_world_size(old, new, case):
+    kwargs = ELASTIC[case]
+    factor = kwargs["echo_factor"]
+    before, states, _ = run_job(old, cut=9, **kwargs)
+    after, _, lengths = run_job(new, states=states, **kwargs)
+    assert len(set(lengths)) == 1, f"every new rank yields as many batches: {lengths}"
+    counts = before + after
+    assert set(counts) == set(range(1001))
+    low, high = int(factor), -(-factor // 1)
+    # The old job padded its shards (1001 over 2 or 4 ranks) as a distributed
+    # sampler does, and the new ranks may pad to equal batch counts: a few
+    # examples come once more, never fewer times than their count.
+    assert all(low <= counts[i] for i in range(1001))
+    extra = sum(max(0, c - int(high)) for c in counts.values())
+    assert extra <= old + new * 16, f"{extra} deliveries beyond the echo count"
+    if factor == int(factor) and case != "augment":
+        assert sum(counts.values()) - 1001 * factor <= old * factor + new * 16
+
+
+def test_a_job_resumes_at_an_epoch_boundary_under_another_world_size():
+    _, states, _ = run_job(2, echo_factor=1, num_workers=2)
+    assert all(s["epoch"] == 1 and s["stages"] is None for s in states)
+    after, resumed, _ = run_job(4, states=states, echo_factor=1, num_workers=2)
+    assert sorted(after) == list(range(1001)) and all(s["epoch"] == 2 for s in resumed)
+
+
+def test_a_state_of_another_world_size_alone_is_refused_saying_what_to_pass():
+    _, states, _ = run_job(2, cut=3, echo_factor=2)
+    loader = dataecho.EchoLoader(np.arange(1001), batch_size=16, rank=0, world_size=4, shuffle_buffer=64,
+                                 echo_factor=2)
+    with pytest.raises(ValueError, match="world_size=2, but this loader has world_size=4.*every rank's state"):
+        loader.load_state_dict(states[0])
+    with pytest.raises(ValueError, match="the states of all 2 ranks"):
+        loader.load_state_dict(states[:1] + states[:1])
+
+
+# ---- right by default, and auto echo in lockstep (real processes on gloo) ----
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_loader_built_before_the_process_group_reads_its_shard(tmp_path, world_size):
+    from ranks import run_ranks
+
+    results = run_ranks("built_before_the_group", world_size, tmp_path)
+    shards = [set(r["ids"]) for r in results]
+    assert all(r["world_size"] == world_size and len(r["ids"]) == 1000 // world_size for r in results)
+    assert [r["rank"] for r in results] == list(range(world_size))
+    assert set().union(*shards) == set(range(1000)) and sum(len(s) for s in shards) == 1000, "disjoint shards"
+    assert {r["len"] for r in results} == {1000 // world_size // 10}
+
+
+def test_a_distributed_environment_without_a_process_group_warns_once():
+    from support import run_python
+
+    proc = run_python(
+        """
+        import os, warnings
+        os.environ["WORLD_SIZE"] = "2"  # as torchrun sets it
+        import numpy as np
+        import dataecho
+        warnings.simplefilter("always")
+        loader = dataecho.EchoLoader(np.arange(100), batch_size=10, echo_factor=1)
+        with warnings.catch_warnings(record=True) as caught:
+            for _ in range(2):
+                assert sum(len(b) for b in loader) == 100
+        print(len([w for w in caught if "WORLD_SIZE=2" in str(w.message)]))
+        """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["1"], "one warning, at the first epoch"
+
+
+def test_auto_echo_keeps_the_ranks_in_lockstep_while_one_straggles(tmp_path):
+    from ranks import run_ranks
+
+    slow, fast = run_ranks("auto_with_a_straggler", 2, tmp_path, "8")
+    assert slow["batches"] == fast["batches"], "every rank yields as many batches"
+    assert len(slow["counts"]) == len(fast["counts"]) == 200, "every example of each shard at least once"
+    assert fast["repeats"] > slow["repeats"], "the fast rank repeats while the straggler's reads catch up"
+    assert slow["echo_before_repeats"] > fast["echo_before_repeats"], "the straggler echoes more as it reads"
+    assert slow["agreement_s"] < 0.05 * slow["wall_s"], "the ranks' agreement costs little"
+
+
+def test_lightning_ddp_gives_each_rank_its_shard_of_a_loader_handed_to_fit(tmp_path):
+    pytest.importorskip("pytorch_lightning")
+    # Lightning builds the process group inside fit(), after the loader was made.
+    proc = subprocess.run([sys.executable, str(Path(TESTS) / "lightning_ddp.py"), str(tmp_path), "2"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**__import__("os").environ, "PYTHONPATH": f"{TESTS}:" +
+                               __import__("os").environ.get("PYTHONPATH", "")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["world_size"] == 2 for r in ranks)
+    seen = [Counter(r["ids"]) for r in ranks]
+    assert len(ranks[0]["ids"]) == len(ranks[1]["ids"]) == 2 * 200, "each rank: its 200 examples, twice"
+    assert set(seen[0]) | set(seen[1]) == set(range(400)) and not set(seen[0]) & set(seen[1])
+    assert all(set(s.values()) == {2} for s in seen)
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_a_job_of_two_ranks_resumes_on_four_from_its_gathered_states(tmp_path, kind):
+    from ranks import run_ranks
+
+    checkpoint = tmp_path / "states.pkl"
+    before = run_ranks("elastic_save", 2, tmp_path, f"{kind}:{checkpoint}")
+    after = run_ranks("elastic_load", 4, tmp_path, f"{kind}:{checkpoint}")
+    assert len({r["batches"] for r in after}) == 1, "every new rank yields as many batches"
+    counts = Counter(i for r in before + after for i in r["ids"])
+    assert set(counts) == set(range(1000)) and set(counts.values()) <= {2, 3}
+    assert sum(counts.values()) - 2000 <= 4 * 16, "only the new ranks' padding comes more than twice"

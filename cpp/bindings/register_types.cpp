@@ -45,6 +45,7 @@ void register_config(py::module_& m) {
       .def_readwrite("drop_last", &BufferConfig::drop_last)
       .def_readwrite("prefetch", &BufferConfig::prefetch)
       .def_readwrite("initial", &BufferConfig::initial)
+      .def_readwrite("window", &BufferConfig::window)
       .def_readwrite("shared", &BufferConfig::shared)
       .def_readwrite("deterministic", &BufferConfig::deterministic)
       .def_readwrite("exact_echo", &BufferConfig::exact_echo)

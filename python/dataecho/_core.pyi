@@ -30,6 +30,7 @@ class BufferConfig:
     drop_last: bool
     prefetch: int
     initial: int
+    window: int
     shared: bool
     deterministic: bool
     exact_echo: bool

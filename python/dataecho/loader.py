@@ -30,6 +30,7 @@ from .examples.described import describe, described
 from .examples.structure import Structure
 from .pipeline.checkpoint import FORMAT
 from .pipeline.epoch import Epoch
+from .pipeline.job import Job
 from .pipeline.numbering import EpochNumbers
 from .pipeline.plan import plan
 from .pipeline.resume import resumed
@@ -62,14 +63,10 @@ _ATTRIBUTES: dict[str, Callable[[LoaderConfig], Any]] = {
 
 
 class EchoLoader:
-    """Batches from a dataset or iterable, with data echoing (see the module
-    docstring for the placements: ``transform`` before the echo stage,
-    ``augment`` after it, ``echo_at="batch"``).
-
-    The positional parameters are torch ``DataLoader``'s, in its order and with
-    its meaning (dataecho.config.dataloader says what dataecho does with each);
-    the rest are keyword-only. The arguments read back as attributes
-    (``loader.batch_size``; all as ``loader.config``) and cannot be set later.
+    """Batches from a dataset or iterable, with data echoing (placements: see
+    the module docstring). The positional parameters are torch
+    ``DataLoader``'s, in its order and with its meaning; the rest are
+    keyword-only. They read back as attributes, and cannot be set later.
 
     Args:
         dataset: an iterable of examples, a map-style dataset (``__len__`` and
@@ -97,12 +94,11 @@ class EchoLoader:
             repeat only while the consumer would wait, up to about ``max_echo``.
         echo_at: ``"example"`` (default) or ``"batch"`` (default with ``batch_sampler``).
         max_echo: with ``"auto"``, the cap on deliveries per example (batch).
-        transform: per-example function of the producers, before the echo stage.
+        transform: per-example function of the workers, before the echo stage.
         augment: per-example function after the echo stage, anew on every
             repeat; called as ``augment(example, rng=...)`` where it takes
             ``rng`` (a generator keyed by seed, epoch, rank and delivery).
-        shuffle_buffer: examples resident in the echo buffer (4096, or two
-            batches if more); with ``echo_at="batch"``, batches (16).
+        shuffle_buffer: examples in the echo buffer (4096, or two batches); batches with ``echo_at="batch"`` (16).
         seed: seeds everything random; None draws one (from ``generator``
             where given), which a loaded state replaces.
         deterministic: batches that depend on (seed, epoch, rank, world_size)
@@ -112,12 +108,11 @@ class EchoLoader:
         worker_type: ``"thread"`` or ``"process"``.
         output: ``"numpy"`` or ``"torch"`` (tensors over the batch memory).
         device: a torch device; batches are copied there one batch ahead.
-        rank, world_size: this process's part of a data-parallel job (default:
-            from ``torch.distributed``): an equal, disjoint shard per rank.
-        ragged, ragged_bytes, padding: leaves whose first axis varies in length
-            (declared by path, or inferred) come as :class:`dataecho.Ragged`
-            (a jagged nested tensor with torch) or, padded, as
-            :class:`dataecho.Padded`; ``ragged_bytes`` bounds their memory.
+        rank, world_size: this process's part of a data-parallel job: an equal,
+            disjoint shard per rank (default: what ``torch.distributed`` says as
+            each epoch starts; with ``"auto"``, the ranks echo in lockstep).
+        ragged, ragged_bytes, padding: leaves of varying length (declared by
+            path, or inferred) as :class:`dataecho.Ragged` or, padded, :class:`dataecho.Padded`.
 
     Raises:
         TypeError, ValueError: a bad argument, named in the message.
@@ -178,6 +173,7 @@ class EchoLoader:
         self._current_ref: Callable[[], Epoch | None] = lambda: None
         self._totals = Totals()
         self._starting = threading.Lock()
+        self._job = Job()  # this loader's part of a data-parallel job
         self._left: dict[str, Any] | None = None  # where an epoch left part-way stood (Epoch.__del__)
         self._pool = WorkerPool() if self.config.persistent_workers and self.config.worker_type == "process" else None
         self._memory = _core.BlockCache()  # the echo buffer's memory, from one epoch to the next
@@ -211,10 +207,14 @@ class EchoLoader:
             if current is not None:
                 current.supersede()  # if it yielded nothing, it gives back its number and resume state
             self._left = None  # the position of an epoch left part-way is forgotten once another starts
+            config = self._job.follow(self.config)
+            if config is not self.config:  # another part of the job: the epochs are planned again
+                self.config, self._plan = config, plan(config)
             resume, self._resume = self._resume, None
             epoch = Epoch(self._plan, self._numbers.next, self._structure, resume["stages"] if resume else None,
                           functools.partial(_ended, self, resume), owner=self, pool=self._pool,
-                          memory=self._memory, on_structure=functools.partial(_learned, weakref.ref(self)))
+                          memory=self._memory, on_structure=functools.partial(_learned, weakref.ref(self)),
+                          group=self._job.group(self._plan))
             self._current_ref = weakref.ref(epoch)
             self._numbers.started()
             return epoch
@@ -286,8 +286,10 @@ class EchoLoader:
         self._resume = checked
 
     def __len__(self) -> int:
-        """Batches per epoch on this rank (see dataecho.pipeline.plan)."""
-        return self._plan.batches_per_epoch()
+        """Batches per epoch on this rank (see dataecho.pipeline.plan), on the
+        part of the job ``torch.distributed`` says now where none was given."""
+        config = self._job.follow(self.config, starting=False)
+        return (self._plan if config is self.config else plan(config)).batches_per_epoch()
 
     def close(self) -> None:
         """Stops the current epoch and every worker; iterating again starts a new epoch."""

@@ -59,7 +59,9 @@ class Assembler {
         echoes_(config.auto_echo ? config.max_echo : config.echo_factor),
         reservoir_(config.capacity, config.in_order),
         rng_(config.seed),
-        full_(std::max({config.batch_size, config.capacity - config.batch_size, config.initial})),
+        // Deterministic: the window's slots stay free for examples that wait out of order.
+        full_(std::max({config.batch_size, config.capacity - (config.deterministic ? config.window : config.batch_size),
+                        config.initial})),
         values_hint_(layout.ragged_fields().size(), 0) {}
 
   const BufferConfig& config() const noexcept { return config_; }

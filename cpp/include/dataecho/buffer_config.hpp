@@ -4,6 +4,8 @@
 // validated() here is the memory-safety backstop and aborts on a violation.
 #pragma once
 
+#include <algorithm>
+
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -37,6 +39,11 @@ struct BufferConfig {
   // seed and the input alone, not on how many producers there are or their
   // timing. Not with auto_echo, which depends on timing by design.
   bool deterministic = false;
+  // Deterministic intake: how far beyond the next number the reservoir takes
+  // in a producer may put (its read-ahead); 0: batch_size. The reservoir then
+  // holds at most capacity - window examples, so that the examples waiting
+  // out of order always leave a slot for the one waited for.
+  std::size_t window = 0;
   // Echo counts by sequence number (as in deterministic mode, see EchoCounts),
   // without reordering intake: the number of deliveries of n examples is then
   // exact, which data-parallel ranks need to yield equally many batches.
@@ -92,9 +99,11 @@ inline BufferConfig validated(BufferConfig config) {
   DATAECHO_CHECK(config.echo_factor >= 1.0 && config.echo_factor < kMaxEcho);
   DATAECHO_CHECK(config.max_echo >= 1.0 && config.max_echo < kMaxEcho);
   DATAECHO_CHECK(!((config.deterministic || config.exact_echo) && config.auto_echo));
-  // Deterministic intake: up to batch_size - 1 examples wait out of order beside
-  // the resident ones (at most capacity - batch_size): both must fit.
-  DATAECHO_CHECK(!config.deterministic || config.capacity >= 2 * config.batch_size);
+  // Deterministic intake: up to window - 1 examples wait out of order beside
+  // the resident ones (at most capacity - window): both must fit, and a batch.
+  if (config.deterministic && config.window == 0) config.window = config.batch_size;
+  DATAECHO_CHECK(!config.deterministic ||
+                 (config.window >= config.batch_size && config.capacity >= config.batch_size + config.window));
   DATAECHO_CHECK(!config.in_order || (config.deterministic && config.echo_factor == 1.0 && !config.auto_echo));
   DATAECHO_CHECK(config.pages <= kMaxPages);
   if (config.restore) {
@@ -105,6 +114,7 @@ inline BufferConfig validated(BufferConfig config) {
   }
   if (config.initial == 0) config.initial = default_initial(config.capacity, config.batch_size);
   if (config.initial > config.capacity) config.initial = config.capacity;
+  if (config.deterministic) config.initial = std::min(config.initial, config.capacity - config.window);
   return config;
 }
 

@@ -266,11 +266,11 @@ class ShuffleBuffer {
       private_ = cache_ ? cache_->take(where.total_bytes, align) : Block::allocate(where.total_bytes, align);
       base = private_.data();
     }
-    // The window: at most batch_size - 1 examples wait out of order for an
-    // earlier one. With the reservoir below its target (<= capacity - batch_size
-    // - 1 resident), that leaves at least two free slots, one for the example
+    // The window: at most window - 1 examples wait out of order for an earlier
+    // one. With the reservoir below its target (<= capacity - window - 1
+    // resident), that leaves at least two free slots, one for the example
     // being waited for: intake cannot deadlock.
-    const std::uint64_t window = config_.deterministic ? config_.batch_size : 0;
+    const std::uint64_t window = config_.deterministic ? config_.window : 0;
     RegionView view = RegionView::create(base, layout_, config_.capacity, config_.shared, window, heap);
     if (const std::size_t per_slot = layout_.holdable_fields().size(); per_slot != 0) {
       DATAECHO_CHECK(!config_.shared);

@@ -61,6 +61,7 @@ class LoaderConfig:
     transform: Callable[[Any], Any] | None
     augment: Callable[..., Any] | None
     shuffle_buffer: int
+    shuffle_buffer_given: bool  # else the default, which the planner may size down (see dataecho.pipeline.plan)
     seed: int
     seed_given: bool  # ``seed`` was given; else it was drawn, and a loaded state's seed replaces it
     deterministic: bool
@@ -74,6 +75,7 @@ class LoaderConfig:
     output: str
     device: Any
     shard: Shard
+    shard_given: bool  # rank and world_size were given; else torch.distributed decides as each epoch starts
     ragged: frozenset[str] | None = None  # leaf paths declared ragged
     ragged_bytes: int | None = None  # the page heap's budget (None: sized from the first examples)
     padding: int | str | None = None  # None (packed), "longest" or a length
@@ -93,7 +95,7 @@ class LoaderConfig:
     def exact_echo(self) -> bool:
         """Echo counts by position (exactly floor(n * e) deliveries of n examples):
         deterministic order needs them, and so do equal batch counts on every rank."""
-        return self.deterministic or self.shard.world_size > 1
+        return (self.deterministic or self.shard.world_size > 1) and not self.echo.auto
 
     @property
     def exact_checkpoint(self) -> bool:
@@ -106,6 +108,13 @@ class LoaderConfig:
     def augment_takes_rng(self) -> bool:
         """``augment`` accepts an ``rng`` keyword: it is given a generator per delivery."""
         return self.augment is not None and accepts_keyword(self.augment, "rng")
+
+    def with_shard(self, shard: Shard) -> LoaderConfig:
+        """This configuration on another part of a data-parallel job (found as
+        an epoch starts, where ``rank``/``world_size`` were not given): several
+        ranks share one seed (0 where none was given), as at construction."""
+        seed = 0 if shard.world_size > 1 and not self.seed_given else self.seed
+        return dataclasses.replace(self, shard=shard, seed=seed)
 
     def with_seed(self, seed: Any) -> LoaderConfig:
         """This configuration with a loaded state's ``seed`` in place of a drawn one.
@@ -159,15 +168,14 @@ def loader_config(*, dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, 
     asked = None if deterministic is None else _checks.flag("deterministic", deterministic)
     shard = resolve_shard(rank, world_size)
     seed, seed_given = _check_seed(seed, generator, shard)
-    echo = _check_echo(Echo.of(echo_factor, default_echo_at(echo_at, batch_sampler), max_echo), asked is True, shard)
+    echo = _check_echo(Echo.of(echo_factor, default_echo_at(echo_at, batch_sampler), max_echo), asked is True)
     # A batch sampler decides the order (shuffle False, as in DataLoader).
     sampler, shuffle = _check_sampler(sampler, False if batch_sampler is not None else shuffle, dataset)
     # shuffle=False at echo 1: batches in reading order, which deterministic intake gives.
     in_order = _reads_in_order(shuffle, echo, dataset, worker_type)
     deterministic = in_order or _deterministic(asked, echo, dataset, worker_type, shuffle_buffer, batch_size)
     augment = dataloader.check_callable("augment", augment)
-    shuffle_buffer = _check_shuffle_buffer(shuffle_buffer, batch_size, echo, augment is not None, deterministic,
-                                           in_order)
+    new_buffer = _check_shuffle_buffer(shuffle_buffer, batch_size, echo, augment is not None, deterministic, in_order)
     persistent_workers = _check_persistent(persistent_workers, workers)
     # num_workers not given: threads start with one reader (see dataecho.workers.threads); processes, 2.
     auto_workers = workers is None and worker_type == "thread"
@@ -179,12 +187,13 @@ def loader_config(*, dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, 
         worker_init_fn=dataloader.check_callable("worker_init_fn", worker_init_fn),
         persistent_workers=persistent_workers, echo=echo,
         transform=dataloader.check_callable("transform", transform), augment=augment,
-        shuffle_buffer=shuffle_buffer, seed=seed, seed_given=seed_given, deterministic=deterministic,
+        shuffle_buffer=new_buffer, shuffle_buffer_given=shuffle_buffer is not None, seed=seed, seed_given=seed_given,
+        deterministic=deterministic,
         deterministic_given=asked is True, worker_type=worker_type,
         workers=1 if auto_workers else _check_workers(workers, worker_type), auto_workers=auto_workers,
         prefetch=dataloader.prefetch(prefetch_factor, workers), prefetch_factor=prefetch_factor,
         start_method=start_method, output=_checks.choice("output", output, ("numpy", "torch")),
-        device=_check_device(device), shard=shard, ragged=_check_ragged(ragged),
+        device=_check_device(device), shard=shard, shard_given=rank is not None, ragged=_check_ragged(ragged),
         ragged_bytes=None if ragged_bytes is None else _checks.positive_int("ragged_bytes", ragged_bytes),
         padding=_check_padding(padding), batch_sampler=batch_sampler,
     )
@@ -331,13 +340,10 @@ def _check_padding(value: Any) -> int | str | None:
     return _checks.positive_int("padding", value)
 
 
-def _check_echo(echo: Echo, deterministic: bool, shard: Shard) -> Echo:
-    if echo.auto and (deterministic or shard.world_size > 1):
-        why = "deterministic=True" if deterministic else f"world_size={shard.world_size}"
-        raise ValueError(
-            f"echo_factor: 'auto' adapts to timing, so its batches (and their number per rank) "
-            f"cannot be fixed in advance as {why} needs; give a number"
-        )
+def _check_echo(echo: Echo, deterministic: bool) -> Echo:
+    if echo.auto and deterministic:
+        raise ValueError("echo_factor: 'auto' adapts to timing, so its batches cannot be fixed in advance as "
+                         "deterministic=True needs; give a number")
     return echo
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from .. import _core
 
-__all__ = ["MAX_PAGE_FOR_DEFAULT", "PICKLED_FLOOR", "buffer_config", "page_heap", "ragged_heap"]
+__all__ = ["MAX_PAGE_FOR_DEFAULT", "PICKLED_FLOOR", "buffer_config", "page_heap", "ragged_heap", "reorder_window"]
 
 MAX_PAGE_FOR_DEFAULT = 1 << 16  # the largest page chosen by default (bigger examples take several)
 PICKLED_FLOOR = 16 << 20  # the least ragged memory by default where objects travel pickled (worker processes)
@@ -20,6 +20,16 @@ def buffer_config(**values: Any) -> _core.BufferConfig:
     for name, value in values.items():
         setattr(config, name, value)
     return config
+
+
+def reorder_window(capacity: int, batch_size: int) -> int:
+    """Deterministic intake's read-ahead (``_core.BufferConfig.window``): how
+    far beyond the next example the buffer takes in producers may read, so that
+    a late read holds the others back only that far. Up to four batches (as
+    DataLoader prefetches two per worker), at most an eighth of the buffer (the
+    shuffle keeps the rest), at least a batch; the buffer holds a batch and
+    the window, as ``capacity >= 2 * batch_size`` ensures."""
+    return max(batch_size, min(capacity // 8, 4 * batch_size))
 
 
 def page_heap(budget_bytes: int, example_bytes: float) -> tuple[int, int]:

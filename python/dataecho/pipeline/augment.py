@@ -32,7 +32,7 @@ from ..errors import BufferClosed, stop_iteration_error
 from ..examples.leaves import read_only, row_of, stack
 from ..examples.structure import Structure
 from ..native.buffer import NativeBuffer
-from ..native.sizing import buffer_config, ragged_heap
+from ..native.sizing import buffer_config, ragged_heap, reorder_window
 from ..reading.source import EpochSource
 from ..tensors.pinned import pin_batch_memory
 from ..workers.failure import Failure
@@ -119,7 +119,7 @@ class AugmentStage:
         self._output_config = buffer_config(
             capacity=spec.capacity, batch_size=spec.batch_size, seed=source.seeds[3], drop_last=spec.drop_last,
             prefetch=spec.prefetch, initial=spec.batch_size, deterministic=spec.deterministic,
-            in_order=spec.in_order,
+            in_order=spec.in_order, window=reorder_window(spec.capacity, spec.batch_size) if spec.deterministic else 0,
         )
         self._pinned_batches, self._chunk = spec.pinned_batches, spec.batch_size
         self._ragged, self._ragged_bytes = spec.declared_ragged, spec.ragged_bytes

@@ -17,7 +17,7 @@ from typing import Any, Callable
 from ..examples.structure import Structure
 from ..reading.source import EpochSource
 from ..workers.failure import Failure
-from . import augment, batch_echo, batches, checkpoint, delivery, intake
+from . import augment, batch_echo, batches, checkpoint, delivery, intake, lockstep
 from .checkpoint import StateCheck
 from .plan import Plan
 from .stage import Stage
@@ -59,6 +59,7 @@ class Chain:
     failure: Failure = field(default_factory=Failure)
     pull_lock: threading.Lock = field(default_factory=threading.Lock)
     mode: str | None = None
+    group: Any = None  # the process group the ranks keep in lockstep on (dataecho.pipeline.lockstep)
 
     @property
     def resumable(self) -> bool:
@@ -153,6 +154,8 @@ def _build(chain: Chain, plan: Plan, structure: Structure | None, source: EpochS
         augmenting = augment.AugmentStage(plan.augment, last, structure, source, chain.failure, on_failure,
                                           chain.pull_lock, states.get("augment"))
         last, read_batch = _add(chain, augmenting), augmenting.read_batch
+    if plan.lockstep is not None:
+        last = _add(chain, lockstep.LockstepStage(plan.lockstep, last, chain.group))
     if plan.delivery is not None:
         _add(chain, delivery.DeliveryStage(plan.delivery, last, states.get("delivery"), read_batch))
 

@@ -81,12 +81,7 @@ def check_state(state: Any, fingerprint: dict[str, Any], checks: dict[str, State
     saved = state.get("config")
     if not isinstance(saved, dict):
         raise ValueError("state['config']: expected a dict")
-    for key, value in fingerprint.items():
-        if saved.get(key) != value:
-            raise ValueError(
-                f"state: saved with {key}={saved.get(key)!r}, but this loader has {key}={value!r}; "
-                "a state resumes only a loader with the same arguments that decide its batches"
-            )
+    _check_fingerprint(saved, fingerprint)
     epoch = int_at(state, "epoch", "state")
     structure = state.get("structure")
     if structure is not None:
@@ -111,6 +106,17 @@ def check_state(state: Any, fingerprint: dict[str, Any], checks: dict[str, State
     out["stages"] = {name: check(dict_at(stages, name, "state['stages']"), order, at(name))
                      for name, check in checks.items()}
     return out
+
+
+def _check_fingerprint(saved: dict, fingerprint: dict[str, Any]) -> None:
+    for key, value in fingerprint.items():
+        if saved.get(key) != value:
+            hint = ("; to resume a job on another number of ranks, pass the list of every rank's state_dict() "
+                    "to load_state_dict on every new rank") if key in ("rank", "world_size") else ""
+            raise ValueError(
+                f"state: saved with {key}={saved.get(key)!r}, but this loader has {key}={value!r}; "
+                f"a state resumes only a loader with the same arguments that decide its batches{hint}"
+            )
 
 
 # ---- pieces of the stages' checks ----

@@ -55,9 +55,9 @@ class Epoch:
         on_finish: called once at the end with this epoch's counters, the
             per-worker counters, and the state it stood at when its consumer
             left it part-way (a loop left with ``break``), or None.
-        on_structure: called with the structure once the first examples told it.
-        owner: kept alive while the epoch is (the loader: ``for b in
-            EchoLoader(...)`` holds only the epoch).
+        on_structure, group: called with the structure the first examples told;
+            the lockstep stage's process group, or None.
+        owner: kept alive while the epoch is (``for b in EchoLoader(...)`` holds only the epoch).
         pool: the loader's persistent worker processes, or None.
         memory: the loader's ``_core.BlockCache``: the echo buffer's memory, kept
             from one epoch to the next; or None.
@@ -71,7 +71,7 @@ class Epoch:
     def __init__(self, plan: Plan, epoch: int, structure: Structure | None,
                  resume: dict[str, Any] | None, on_finish: Callable[[dict, list, Any], None], owner: Any = None,
                  pool: Any = None, memory: Any = None,
-                 on_structure: Callable[[Structure], None] = lambda structure: None) -> None:
+                 on_structure: Callable[[Structure], None] = lambda structure: None, group: Any = None) -> None:
         self.epoch = epoch
         self._owner = owner
         self._spec, self._on_finish = plan.output, on_finish
@@ -82,7 +82,7 @@ class Epoch:
         self._consumer = threading.Lock()
         self._started = time.perf_counter()
         self._wait_s, self._delivered, self._batches = 0.0, 0, 0
-        self._chain = Chain(mode=plan.checkpoint)
+        self._chain = Chain(mode=plan.checkpoint, group=group)
         self._probing: Any = None  # workers reading the first examples before the chain exists
         self._built = False  # the chain exists (built at once, or by the first next() once the structure is known)
         self._plan, self._resume, self._on_structure = plan, resume, on_structure
@@ -229,9 +229,8 @@ class Epoch:
             "fresh": stages.get("fresh", 0),
             "delivered": self._delivered,
             "batches": self._batches,
-            "fresh_batches": stages.get("fresh_batches", 0),
-            "delivered_batches": stages.get("delivered_batches", 0),
-            "augmented": stages.get("augmented", 0),
+            **{key: stages.get(key, 0) for key in ("fresh_batches", "delivered_batches", "augmented",
+                                                   "lockstep_repeats", "lockstep_wait_s")},
             "wait_s": self._wait_s,
             "active_s": time.perf_counter() - self._started,
             "memory": stages.get("memory"),

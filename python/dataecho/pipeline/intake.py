@@ -30,7 +30,7 @@ import numpy as np
 from .. import _core
 from ..examples.structure import Structure
 from ..native.buffer import NativeBuffer
-from ..native.sizing import buffer_config, ragged_heap
+from ..native.sizing import buffer_config, ragged_heap, reorder_window
 from ..reading.source import EpochSource, SourceSpec
 from ..tensors.pinned import pin_batch_memory
 from ..workers.failure import Failure
@@ -151,6 +151,7 @@ class IntakeStage:
             echo_factor=spec.echo_factor, auto_echo=spec.auto_echo, max_echo=spec.max_echo,
             seed=self._source.seeds[2], drop_last=spec.drop_last, prefetch=spec.prefetch, initial=spec.initial,
             shared=shared, deterministic=spec.deterministic, exact_echo=spec.exact_echo, in_order=spec.in_order,
+            window=reorder_window(capacity, spec.batch_size) if spec.deterministic else 0,
         )
 
     def _start(self, first: list[Any], resume: dict[str, Any] | None, failure: Failure,

@@ -7,7 +7,7 @@ once and returns a :class:`Plan` of small frozen specs: the source's, the
 workers', one per stage, and the consumer's. A stage is built from its own spec
 and never sees the configuration. The chain an epoch runs is::
 
-    intake -> [batch_echo] -> [augment] -> [delivery]
+    intake -> [batch_echo] -> [augment] -> [lockstep] -> [delivery]
 
 ``batch_echo`` with ``echo_at="batch"`` (not in order), ``augment`` where one
 is given, ``delivery`` with a device, and wherever a checkpoint is exact (it
@@ -25,6 +25,7 @@ from typing import Any, Callable
 from ..config.dataloader import DEFAULT_WORKERS
 from ..config.echo import exact_deliveries
 from ..config.loader_config import DEFAULT_EXAMPLES, LoaderConfig
+from ..native.sizing import reorder_window
 from ..reading.chunking import CHUNK
 from ..reading.order import OrderSpec
 from ..reading.source import SourceSpec
@@ -33,6 +34,7 @@ from .augment import AugmentSpec
 from .batch_echo import BatchEchoSpec
 from .batches import BatchesSpec
 from .delivery import DeliverySpec
+from .lockstep import LockstepSpec
 from .intake import IntakeSpec
 
 __all__ = ["OutputSpec", "Plan", "plan"]
@@ -73,6 +75,9 @@ class Plan:
         source: what the epoch reads.
         intake, batch_echo, augment, delivery: the stages' specs (None: not in
             the chain); the intake's is a BatchesSpec with a batch sampler.
+        lockstep: ``echo_factor="auto"`` on several ranks: the stage that keeps
+            their epochs the same length (dataecho.pipeline.lockstep), before
+            the delivery; else None.
         output: the consumer's side.
         batches_per_epoch: ``len(loader)`` (TypeError where it is not known).
         checkpoint: how a state is taken mid-epoch: ``"exact"`` (every stage's
@@ -88,6 +93,7 @@ class Plan:
     output: OutputSpec
     checkpoint: str | None
     batches_per_epoch: Callable[[], int]
+    lockstep: LockstepSpec | None = None
 
     @property
     def reads_batches(self) -> bool:
@@ -121,6 +127,7 @@ def plan(config: LoaderConfig) -> Plan:
                           config.deterministic_given),
         checkpoint=_checkpoint(config),
         batches_per_epoch=lambda: _batches_per_epoch(config, order),
+        lockstep=LockstepSpec() if config.echo.auto and config.shard.world_size > 1 else None,
     )
 
 
@@ -132,13 +139,21 @@ def _checkpoint(config: LoaderConfig) -> str | None:
 
 def _workers(config: LoaderConfig) -> WorkersSpec:
     kind = "inline" if config.workers == 0 else config.worker_type
-    return WorkersSpec(kind, max(1, config.workers), config.auto_workers, config.start_method, config.worker_init_fn)
+    return WorkersSpec(kind, max(1, config.workers), config.auto_workers, config.start_method, config.worker_init_fn,
+                       window=reorder_window(config.shuffle_buffer, config.batch_size)
+                       if config.deterministic and config.echo.per_example else 0)
 
 
 def _intake(config: LoaderConfig, source: SourceSpec, exact: bool) -> IntakeSpec:
     echo, batch = config.echo, config.batch_size
     if echo.per_example:
         capacity = config.shuffle_buffer
+        if echo.once and config.map_style and config.shuffle and not config.shuffle_buffer_given:
+            # Nothing to spread apart at echo 1, and the reading order is a new
+            # permutation already (as DataLoader's): a large buffer would only
+            # delay the first batch and make reads run ahead to fill it (it
+            # grows by one example per delivery). Batches as they come.
+            capacity = 2 * batch
     elif config.map_style:
         # Batch echoing over an index order that is already a new permutation
         # each epoch (the sampler's): batch it as it comes, as DataLoader
@@ -155,7 +170,9 @@ def _intake(config: LoaderConfig, source: SourceSpec, exact: bool) -> IntakeSpec
         drop_last=config.drop_last and config.augment is None, prefetch=config.prefetch,
         # Batch echoing: batches flow from the first one on; the example
         # shuffle behind them still grows to its capacity.
-        initial=0 if echo.per_example else batch,
+        # "auto": the first batch as soon as two batches are in, so that a slow
+        # input does not first fill a quarter of the buffer while the step waits.
+        initial=batch if not echo.per_example else 2 * batch if echo.auto else 0,
         deterministic=config.deterministic, exact_echo=config.exact_echo and echo.per_example,
         in_order=config.in_order, ragged_bytes=config.ragged_bytes, exact=exact,
         unresumable=_unresumable(config), pinned_batches=_pinned_batches(config) if config.augment is None else 0,

@@ -12,6 +12,7 @@ import numpy as np
 
 from .chain import state_checks
 from .checkpoint import check_state
+from .elastic import redistributed
 from .plan import Plan, plan
 
 __all__ = ["resumed"]
@@ -31,6 +32,8 @@ def resumed(config: Any, planned: Plan, state: Any) -> tuple[Any, Plan, dict[str
         TypeError, ValueError: a state that is not one, or was saved by a
             loader with other arguments that decide the batches (named).
     """
+    if isinstance(state, (list, tuple)):  # every rank's state, of a job of any world size
+        state = redistributed(list(state), config, _checked_old)
     saved = state.get("config") if isinstance(state, dict) else None
     if not config.seed_given and isinstance(saved, dict) and saved.get("seed") not in (None, config.seed):
         config = config.with_seed(saved["seed"])
@@ -47,13 +50,27 @@ def resumed(config: Any, planned: Plan, state: Any) -> tuple[Any, Plan, dict[str
     return config, planned, checked
 
 
+def _checked_old(state: dict, config: Any) -> tuple[dict, np.ndarray]:
+    """One rank's state of a job being resumed under another world size,
+    checked as a loader of ``config`` (that rank) would; and the order it read."""
+    planned = plan(config)
+    if planned.checkpoint != "exact" or planned.source.order is None or planned.reads_batches:
+        raise ValueError("load_state_dict: resuming mid-epoch under another world size needs exact states of "
+                         "single examples: a map-style dataset read in a deterministic order (the default), "
+                         "without a batch_sampler")
+    order_of = functools.partial(_saved_order, planned.source.order)
+    checked = check_state(state, config.fingerprint(), state_checks(planned), order_of, planned.checkpoint)
+    return checked, order_of(checked["epoch"], checked["stages"]["intake"].get("order"))
+
+
 def _saved_order(order: Any, epoch: int, saved: np.ndarray | None) -> np.ndarray | None:
-    """The order of the epoch a state resumes: a map-style source's own, a
-    sampler's (or a batch sampler's) as the state saved it (never drawn again:
-    a RandomSampler would give another), None for an iterable."""
+    """The order of the epoch a state resumes: the one it saved (a sampler's or
+    a batch sampler's, never drawn again: a RandomSampler would give another;
+    one spread over another world size), else a map-style source's own; None
+    for an iterable."""
     if order is None:
         return None
-    if not order.sampled:
+    if not order.sampled and saved is None:
         return order.order(epoch)
     if saved is None:
         raise ValueError("state['stages']['intake']['order']: missing; a state of a loader with a sampler or a "

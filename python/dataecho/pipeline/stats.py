@@ -12,7 +12,8 @@ __all__ = ["Totals", "logger"]
 logger = logging.getLogger("dataecho")
 logger.addHandler(logging.NullHandler())  # a library prints nothing unless asked
 
-_SUMMED = ("fresh", "delivered", "batches", "fresh_batches", "delivered_batches", "augmented", "wait_s", "active_s")
+_SUMMED = ("fresh", "delivered", "batches", "fresh_batches", "delivered_batches", "augmented", "wait_s", "active_s",
+           "lockstep_repeats", "lockstep_wait_s")
 
 
 def _figures(counters: dict[str, float]) -> dict[str, Any]:
@@ -25,6 +26,8 @@ def _figures(counters: dict[str, float]) -> dict[str, Any]:
         "fresh_batches": counters["fresh_batches"],
         "delivered_batches": counters["delivered_batches"],
         "augmented": counters["augmented"],
+        "lockstep_repeats": counters["lockstep_repeats"],
+        "lockstep_wait_s": counters["lockstep_wait_s"],
         "seconds": active,
         "echo_factor_achieved": counters["delivered"] / fresh if fresh else 0.0,
         "upstream_examples_per_s": fresh / active if active > 0 else 0.0,
@@ -64,6 +67,10 @@ class Totals:
             batches batch echoing took from the echo buffer, and those it
             yielded (repeats counted); 0 otherwise;
             augmented: examples handed to ``augment`` (every repeat; 0 without);
+            lockstep_repeats, lockstep_wait_s: with ``echo_factor="auto"`` on
+            several ranks, the batches this rank repeated once its shard was
+            delivered, while other ranks finished theirs, and the seconds its
+            consumer spent in the ranks' agreement (dataecho.pipeline.lockstep);
             echo_factor_achieved: delivered / fresh;
             upstream_examples_per_s: fresh examples per second of iteration;
             consumer_wait_fraction: share of iteration time spent waiting in next();

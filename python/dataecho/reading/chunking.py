@@ -11,7 +11,7 @@ examples, or of what ``SLICE_S`` seconds of reading gave.
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ..examples.blocks import RowBlock
 from ..examples.columns import Columns
@@ -28,13 +28,15 @@ SLICE_S = 0.01  # examples read one by one are put at least this often, however 
 Chunk = tuple[int, int, list]
 
 
-def claimed(claim_range: Any, chunk: int, reader: Any, columns: Columns) -> Iterator[Chunk]:
-    """The chunks of the positions a worker claims, ``chunk`` at a time (or the
-    reader's own ``claim``, where larger), from a buffer's ``claim_range`` (in
-    this process or a worker's), until all are claimed."""
-    chunk = max(chunk, getattr(reader, "claim", 0))
+def claimed(claim_range: Any, chunk: int | Callable[[], int], reader: Any, columns: Columns) -> Iterator[Chunk]:
+    """The chunks of the positions a worker claims, ``chunk`` at a time (asked
+    again before each claim where it is a function; the reader's own ``claim``
+    where larger), from a buffer's ``claim_range`` (in this process or a
+    worker's), until all are claimed."""
+    size = chunk if callable(chunk) else (lambda: chunk)
+    own = getattr(reader, "claim", 0)
     while True:
-        first, count = claim_range(chunk)
+        first, count = claim_range(max(size(), own))
         if count == 0:
             return
         read = False

@@ -90,8 +90,8 @@ class OrderSpec:
         asked again for the positions the state names. A sampler without a
         length goes on from where the saved indices end; a batch sampler's
         order was saved whole."""
-        if self.batch_sampler is not None or hasattr(self.sampler, "__len__"):
-            return saved
+        if self.sampler is None or self.batch_sampler is not None or hasattr(self.sampler, "__len__"):
+            return saved  # whole (without a sampler: one spread over another world size, dataecho.pipeline.elastic)
         return LazyOrder(itertools.islice(iter(self.sampler), len(saved), None), len(self.dataset), saved)
 
     def examples_per_epoch(self) -> int:

@@ -106,6 +106,7 @@ class EpochSource:
         self.bounds: np.ndarray | None = None
         self.reader: Any = None
         self._skip = skip
+        self._order_saved = saved_order is not None
         self._iterator: Iterator[Any] | None = None
         self._iterator_lock = threading.Lock()
         if spec.order is not None:
@@ -146,8 +147,9 @@ class EpochSource:
 
     @property
     def sampled(self) -> bool:
-        """The order is a sampler's (or a batch sampler's): a state saves it (see OrderSpec.resumed)."""
-        return self.spec.order is not None and self.spec.order.sampled
+        """The order is a sampler's (or a batch sampler's), or came from a state
+        (spread over another world size): a state saves it (see OrderSpec.resumed)."""
+        return self.spec.order is not None and (self.spec.order.sampled or self._order_saved)
 
     def available(self, count: int) -> int:
         """Map-style: how many of the first ``count`` positions exist."""

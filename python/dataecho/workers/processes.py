@@ -57,7 +57,7 @@ def _worker_spec(worker: int, spec: WorkersSpec, buffer: NativeBuffer | None, st
         map_style=source.order is not None,
         order=source.order,
         worker_init_fn=spec.worker_init_fn,
-        chunk=source.chunk,
+        chunk=spec.chunk(source.chunk, spec.count),
         probe=probe,
         persistent=persistent,
     )
@@ -78,14 +78,14 @@ class ProcessProducers:
     """The worker processes of one epoch.
 
     Args:
-        buffer: the echo buffer, created with a shared region.
-        structure: the example structure.
-        source: this epoch's view of the source: the source pickled for the
-            workers, this rank's reading order of a map-style source (positions
-            are claimed from the buffer's counter, set by the caller) or None,
-            and the seed each worker's seed derives from.
+        buffer, structure: the echo buffer (created with a shared region) and
+            the example structure; None for both while ``probe`` examples are
+            read first (see dataecho.workers.probe and :meth:`attach`).
+        source: this epoch's view of the source (the dataset, the order whose
+            positions workers claim from the buffer's counter, the seeds).
         spec: how many processes, their start method and ``worker_init_fn``.
         failure, on_failure: where an error goes, and what stops the pipeline.
+        pool: the loader's persistent workers, or None.
     """
 
     def __init__(
@@ -107,7 +107,8 @@ class ProcessProducers:
         self._pool = pool
         # No buffer yet: the workers read the probe first (see dataecho.workers.probe).
         self.probe = Probe(probe, spec.count) if buffer is None else None
-        self._probed = source.available(probe) if source.order is not None else probe
+        # Map-style: the positions the probe reads (0 to this - 1).
+        self.probed = source.available(probe) if source.order is not None else probe
         self._processes: list[Any] = []
         self._pipes: list[Any] = []
         self._tasks: list[Any] = []
@@ -143,7 +144,7 @@ class ProcessProducers:
         # which outlives us, so watching the parent would not do.
         lifeline, self._lifeline = context.Pipe(duplex=False)
         for worker in range(workers):
-            task = _worker_spec(worker, spec, buffer, structure, source, self._probed if buffer is None else 0,
+            task = _worker_spec(worker, spec, buffer, structure, source, self.probed if buffer is None else 0,
                                 self._pool is not None)
             receiver, sender = context.Pipe(duplex=False)
             # The buffer after the probe, and with persistent workers later epochs, come over a task pipe.
@@ -178,11 +179,6 @@ class ProcessProducers:
                 task.send(update)
             except OSError:  # that worker is gone: the monitor says why
                 pass
-
-    @property
-    def probed(self) -> int:
-        """Map-style: positions the probe reads (0 to this - 1)."""
-        return self._probed
 
     # ---- lifecycle ----
 

@@ -21,6 +21,11 @@ class WorkersSpec:
             reads wait (dataecho.workers.threads); ``count`` is then 1.
         start_method: processes: how they are started.
         worker_init_fn: called with the worker's number in each worker, before it reads.
+        window: deterministic intake: how far (in positions) a worker may read
+            ahead of the next example the buffer takes in; 0 where unbounded.
+            Workers then claim smaller chunks, so that every one of them has
+            one in flight within the window (a late read holds back at most
+            the chunks after it).
     """
 
     kind: str
@@ -28,3 +33,11 @@ class WorkersSpec:
     auto: bool = False
     start_method: str | None = None
     worker_init_fn: Callable[[int], None] | None = None
+    window: int = 0
+
+    def chunk(self, largest: int, workers: int) -> int:
+        """Positions a worker claims at a time, at most ``largest``, when
+        ``workers`` read: within the window, two chunks in flight per worker."""
+        if not self.window:
+            return largest
+        return max(1, min(largest, self.window // (2 * max(1, workers))))

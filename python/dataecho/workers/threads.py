@@ -60,6 +60,7 @@ class Producers:
         self._source = source
         self._transform = source.transform
         self._worker_init_fn = spec.worker_init_fn
+        self._spec = spec
         self._workers = spec.count
         self._auto_limit = AUTO_THREADS if spec.auto else 1
         self._failure = failure
@@ -185,7 +186,9 @@ class Producers:
         counter = self._counters.setdefault(threading.current_thread(), [0, 0.0])
         first_worker = threading.current_thread() is self._threads[0]
         started, cpu = time.perf_counter(), time.thread_time()
-        for seq, rows, read in claimed(buffer.claim_range, self._source.chunk, self._source.reader,
+        # Smaller chunks as threads are added, where deterministic intake bounds how far they may read ahead.
+        chunk = functools.partial(self._spec.chunk, self._source.chunk)
+        for seq, rows, read in claimed(buffer.claim_range, lambda: chunk(len(self._counters)), self._source.reader,
                                        self._columns):
             busy = time.perf_counter() - started
             counter[1] += busy
