@@ -657,3 +657,26 @@ class Captions:
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         return {"id": i, "caption": ("x" * (1 << 20)) if i == self.long_at else f"caption {i}"}
+
+
+# ---- augmentations for augment worker processes (picklable: module level) ----
+
+
+def noisy_augment(example: dict[str, Any], rng: Any) -> dict[str, Any]:
+    """Draws from the delivery's generator; says which process ran it."""
+    return {**example, "noise": np.int64(rng.integers(0, 1 << 30)), "augmented_in": np.int64(os.getpid())}
+
+
+class AugmentDies:
+    """An augment whose process dies at example ``at``: SIGKILL (``"kill"``) or
+    an exit of status 0 (``"exit"``), as user code may do."""
+
+    def __init__(self, at: int, how: str) -> None:
+        self.at, self.how = at, how
+
+    def __call__(self, example: dict[str, Any], rng: Any) -> dict[str, Any]:
+        if int(example["id"]) == self.at:
+            if self.how == "kill":
+                os.kill(os.getpid(), 9)
+            os._exit(0)
+        return example

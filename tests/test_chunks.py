@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import array
 import gc
+import itertools
+import threading
 import time
 from collections import Counter
 from typing import Any
@@ -26,7 +28,7 @@ from dataecho.native.buffer import NativeBuffer
 from dataecho.native.sizing import buffer_config
 from dataecho.reading.arrays import rows_contiguous
 from dataecho.reading.chunking import CHUNK
-from dataecho.workers.threads import AUTO_THREADS, Growth
+from dataecho.workers.growth import AUTO_THREADS, GIL_BUSY_S, Growth, gil_wait_s
 
 N = 1000
 
@@ -443,22 +445,85 @@ def test_by_default_reads_that_wait_get_more_threads_and_every_example_comes_onc
     assert seen == Counter(range(600))
     workers = loader.stats()["workers"]
     assert len(workers) > 1, "a read that sleeps 2 ms on 0.1 ms of CPU gains from threads"
-    assert sum(w["produced"] for w in workers) == 600 - FIRST, "all but the first ones, which the loader reads itself"
+    assert sum(w["produced"] for w in workers) == 600, "the workers read every example, the first ones too"
+
+
+def idle_gil() -> float:
+    return 0.0  # nobody else holds the GIL (measured for real below, where a thread holds it)
 
 
 def test_growth_asks_for_wall_over_cpu_threads_once_after_its_sample():
-    io_bound = Growth(AUTO_THREADS)
+    io_bound = Growth(AUTO_THREADS, idle_gil)
     assert io_bound.observe(0.01, 0.001) == 0, "not decided before its sample"
     assert io_bound.observe(0.05, 0.001) == AUTO_THREADS - 1, "60 ms of wall on 2 ms of CPU: the limit"
     assert io_bound.observe(1.0, 0.0) == 0, "decided once"
-    cpu_bound = Growth(AUTO_THREADS)
+    cpu_bound = Growth(AUTO_THREADS, idle_gil)
     assert cpu_bound.observe(0.06, 0.055) == 0, "a read that computes keeps one thread"
-    half = Growth(AUTO_THREADS)
+    half = Growth(AUTO_THREADS, idle_gil)
     assert half.observe(0.06, 0.02) == 2, "wall / cpu = 3 threads in all"
     assert Growth(1).observe(10.0, 0.0) == 0, "workers given: no growth"
+
+
+def test_growth_adds_no_thread_whose_wait_is_the_gil():
+    # A thread that waits for the GIL (held by a busy training loop) looks like
+    # one that waits on I/O: wall time without CPU time.
+    busy = threading.Event()
+    stop = threading.Event()
+
+    def training_loop():
+        busy.set()
+        while not stop.is_set():
+            pass
+
+    loop = threading.Thread(target=training_loop)
+    loop.start()
+    busy.wait()
+    try:
+        assert gil_wait_s() >= GIL_BUSY_S, "taking the GIL back waits for the busy thread"
+        growth = Growth(AUTO_THREADS)
+        assert growth.observe(0.06, 0.001) == 0 and growth.allowed == 1
+    finally:
+        stop.set()
+        loop.join()
+    idle = Growth(AUTO_THREADS, idle_gil)
+    assert idle.observe(0.06, 0.001) == AUTO_THREADS - 1 and idle.allowed is None
+
+
+def test_growth_stops_the_threads_it_added_once_the_gil_turns_busy(monkeypatch):
+    import dataecho.workers.growth as growth_module
+
+    waits = iter([0.0] + [0.005] * 10)  # idle when deciding, then a busy training loop
+    growth = Growth(AUTO_THREADS, lambda: next(waits))
+    assert growth.observe(0.06, 0.001) == AUTO_THREADS - 1
+    monkeypatch.setattr(growth_module, "RECHECK_S", 0.0)
+    growth._next_check = 0.0
+    assert growth.observe(0.01, 0.001) == 0 and growth.allowed == 1, "the added threads stop at their next chunk"
 
 
 def test_given_workers_are_kept_as_given(seed):
     loader = dataecho.EchoLoader(Slow(), batch_size=32, echo_factor=1, num_workers=1, seed=seed)
     drain(loader, Counter())
     assert len(loader.stats()["workers"]) == 1 and loader.num_workers == 1
+
+
+def test_given_workers_all_read(seed):
+    loader = dataecho.EchoLoader(Slow(), batch_size=32, echo_factor=1, num_workers=2, seed=seed)
+    seen: Counter = Counter()
+    drain(loader, seen)
+    assert seen == Counter(range(600))
+    assert [w["produced"] > 0 for w in loader.stats()["workers"]] == [True, True]
+
+
+def test_threads_stopped_by_a_busy_gil_leave_no_claimed_example_unread(seed, monkeypatch):
+    import dataecho.workers.growth as growth_module
+
+    # Idle when deciding (threads are added), busy at every check after: the
+    # added threads stop part-way through the epoch, each after a whole claim.
+    waits = itertools.chain([0.0], itertools.repeat(0.005))
+    monkeypatch.setattr(growth_module, "RECHECK_S", 0.0)
+    monkeypatch.setattr(growth_module, "gil_wait_s", lambda: next(waits))
+    expected = [b["id"].tolist() for b in dataecho.EchoLoader(Slow(), batch_size=32, num_workers=1, seed=seed)]
+    loader = dataecho.EchoLoader(Slow(), batch_size=32, seed=seed)
+    assert [b["id"].tolist() for b in loader] == expected, "deterministic: the same batches whatever the threads"
+    workers = loader.stats()["workers"]
+    assert len(workers) > 1 and sum(w["produced"] for w in workers) == 600

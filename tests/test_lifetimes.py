@@ -1,14 +1,19 @@
 """Zero-copy batches and their lifetimes: a batch is a view of native memory
-that stays valid and unchanged while any array of it is alive."""
+that stays valid and unchanged while any array of it is alive; an epoch left
+running at interpreter exit lets the interpreter exit."""
 
 from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
+import time
 
 import numpy as np
 from support import (
     batch_blocks_allocated,
+    child_script,
     drain_ids,
     examples,
     id_buffer,
@@ -135,3 +140,32 @@ def test_batches_outlive_the_buffer(seed):
     gc.collect()
     np.testing.assert_array_equal(np.sort(batch["id"]), np.arange(16))
     np.testing.assert_array_equal(batch["payload"], payload_of(batch["id"]))
+
+
+def test_an_epoch_left_mid_batch_at_exit_lets_the_interpreter_exit():
+    # The epoch's finalizer runs while the interpreter finalizes (the uncaught
+    # exception's traceback keeps it alive until then): the reading threads no
+    # longer run, and the batch being assembled never completes.
+    script = child_script("""
+        import dataecho
+        from support import Records
+        loader = dataecho.EchoLoader(Records(100_000, delay_s=0.002), batch_size=64, num_workers=2, seed=0)
+        epoch = iter(loader)
+        next(epoch), next(epoch)
+        print("EXITING", flush=True)
+        raise RuntimeError("uncaught at exit")
+    """)
+    proc = subprocess.Popen([sys.executable, "-u", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "EXITING", proc.communicate(timeout=30)[1][-3000:]
+        exiting = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - exiting
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1 and "RuntimeError: uncaught at exit" in err, err[-3000:]
+    assert "Fatal Python error" not in err and "Exception ignored" not in err, err[-3000:]
+    assert took < 5.0, f"the interpreter took {took:.1f} s to exit"

@@ -5,8 +5,10 @@
 // tries to retake the GIL with pthread_exit, whose forced unwind aborts the
 // process if it crosses a noexcept frame (such as pybind11's gil_scoped_release
 // destructor). So the GIL is released and retaken here by hand, a thread that
-// sees finalization parks instead of retaking it, and the callers' frames hold
-// only borrowed handles, so an unwind in the remaining race needs no Python.
+// sees finalization parks instead of retaking it (all but the main thread, which
+// is the one finalizing: a finalizer of its may wait here, and must return), and
+// the callers' frames hold only borrowed handles, so an unwind in the remaining
+// race needs no Python.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -47,6 +49,14 @@ inline bool interpreter_finalizing() {
 #endif
 }
 
+// The main thread's id (threading.main_thread().ident), set when the module is
+// initialized: the thread that finalizes the interpreter.
+inline unsigned long g_main_thread = 0;
+
+// Whether this thread must not retake the GIL: the interpreter finalizes, and
+// this is not the thread finalizing it.
+inline bool must_park() { return interpreter_finalizing() && PyThread_get_thread_ident() != g_main_thread; }
+
 // A daemon thread has no Python work left once the interpreter finalizes: it
 // sleeps here until the process exits.
 [[noreturn]] inline void park_forever() {
@@ -68,7 +78,7 @@ Status call_blocking(Call&& call, std::optional<double> timeout_s) {
     } catch (...) {
       error = std::current_exception();
     }
-    if (interpreter_finalizing()) park_forever();
+    if (must_park()) park_forever();
     PyEval_RestoreThread(thread_state);
     if (error) std::rethrow_exception(error);
     if (status != Status::kTimeout) return status;
@@ -88,7 +98,7 @@ void without_gil(Work&& work) {
   } catch (...) {
     error = std::current_exception();
   }
-  if (interpreter_finalizing()) park_forever();
+  if (must_park()) park_forever();
   PyEval_RestoreThread(thread_state);
   if (error) std::rethrow_exception(error);
 }

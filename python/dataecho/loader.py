@@ -57,7 +57,8 @@ _ATTRIBUTES: dict[str, Callable[[LoaderConfig], Any]] = {
     "world_size": lambda c: c.shard.world_size,
     **{name: (lambda c, name=name: getattr(c, name)) for name in (
         "dataset", "shuffle", "collate_fn", "pin_memory", "drop_last", "worker_init_fn",
-        "prefetch_factor", "persistent_workers", "transform", "augment", "shuffle_buffer", "seed", "deterministic",
+        "prefetch_factor", "persistent_workers", "transform", "augment", "augment_workers", "shuffle_buffer", "seed",
+        "deterministic",
         "worker_type", "output", "device", "ragged", "ragged_bytes", "padding")},
 }
 
@@ -69,11 +70,10 @@ class EchoLoader:
     keyword-only. They read back as attributes, and cannot be set later.
 
     Args:
-        dataset: an iterable of examples, a map-style dataset (``__len__`` and
-            ``__getitem__``; a torch ``Dataset``; an ``IterableDataset`` is
-            iterable whatever else it defines), or a Ray Data
-            ``Dataset``/``DataIterator``. An example is an array, a number, a
-            torch CPU tensor, an object, or a dict/tuple/list of them.
+        dataset: an iterable of examples, a map-style dataset (a torch
+            ``Dataset``; an ``IterableDataset`` is iterable whatever else it
+            defines), or a Ray Data ``Dataset``/``DataIterator``. An example is an
+            array, a number, a tensor, an object, or a dict/tuple/list of them.
         batch_size: examples per batch (1); None yields each example alone, as
             the dataset returned it (``default_convert``-ed with ``output="torch"``).
         shuffle: map-style datasets: a new random order every epoch (default
@@ -92,12 +92,13 @@ class EchoLoader:
         echo_factor: mean deliveries per example (or batch), a number >= 1
             (fractional: ``floor(e)`` or ``floor(e) + 1`` each), or ``"auto"``:
             repeat only while the consumer would wait, up to about ``max_echo``.
-        echo_at: ``"example"`` (default) or ``"batch"`` (default with ``batch_sampler``).
-        max_echo: with ``"auto"``, the cap on deliveries per example (batch).
+        echo_at, max_echo: ``"example"`` or ``"batch"`` (default with ``batch_sampler``); the cap with "auto".
         transform: per-example function of the workers, before the echo stage.
         augment: per-example function after the echo stage, anew on every
             repeat; called as ``augment(example, rng=...)`` where it takes
             ``rng`` (a generator keyed by seed, epoch, rank and delivery).
+        augment_workers: ``"thread"`` or ``"process"`` (no user code in the
+            training process then); default: as ``worker_type``.
         shuffle_buffer: examples in the echo buffer (4096, or two batches); batches with ``echo_at="batch"`` (16).
         seed: seeds everything random; None draws one (from ``generator``
             where given), which a loaded state replaces.
@@ -105,8 +106,7 @@ class EchoLoader:
             alone, whatever the workers' timing, and exact mid-epoch states.
             Default: wherever it can be (not with ``"auto"``, worker processes
             over an iterable, a Ray dataset, or a buffer below two batches).
-        worker_type: ``"thread"`` or ``"process"``.
-        output: ``"numpy"`` or ``"torch"`` (tensors over the batch memory).
+        worker_type, output: ``"thread"`` or ``"process"``; ``"numpy"`` or ``"torch"``.
         device: a torch device; batches are copied there one batch ahead.
         rank, world_size: this process's part of a data-parallel job: an equal,
             disjoint shard per rank (default: what ``torch.distributed`` says as
@@ -143,6 +143,7 @@ class EchoLoader:
         max_echo: float = 4.0,
         transform: Callable[[Any], Any] | None = None,
         augment: Callable[..., Any] | None = None,
+        augment_workers: str | None = None,
         shuffle_buffer: int | None = None,
         seed: int | None = None,
         deterministic: bool | None = None,
@@ -161,7 +162,8 @@ class EchoLoader:
             timeout=timeout, worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
             generator=generator, prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device, echo_factor=echo_factor, echo_at=echo_at, max_echo=max_echo,
-            transform=transform, augment=augment, shuffle_buffer=shuffle_buffer, seed=seed,
+            transform=transform, augment=augment, augment_workers=augment_workers, shuffle_buffer=shuffle_buffer,
+            seed=seed,
             deterministic=deterministic, worker_type=worker_type, output=output, device=device, rank=rank,
             world_size=world_size, ragged=ragged, ragged_bytes=ragged_bytes, padding=padding,
         )
@@ -175,7 +177,9 @@ class EchoLoader:
         self._starting = threading.Lock()
         self._job = Job()  # this loader's part of a data-parallel job
         self._left: dict[str, Any] | None = None  # where an epoch left part-way stood (Epoch.__del__)
-        self._pool = WorkerPool() if self.config.persistent_workers and self.config.worker_type == "process" else None
+        processes = self.config.worker_type == "process" or (self.config.augment is not None
+                                                             and self.config.augment_workers == "process")
+        self._pool = WorkerPool() if self.config.persistent_workers and processes else None
         self._memory = _core.BlockCache()  # the echo buffer's memory, from one epoch to the next
 
     # EchoLoader[Tensor] in annotations, as DataLoader[Tensor].

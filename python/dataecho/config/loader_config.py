@@ -60,6 +60,7 @@ class LoaderConfig:
     echo: Echo
     transform: Callable[[Any], Any] | None
     augment: Callable[..., Any] | None
+    augment_workers: str  # "thread" or "process": where augment runs
     shuffle_buffer: int
     shuffle_buffer_given: bool  # else the default, which the planner may size down (see dataecho.pipeline.plan)
     seed: int
@@ -150,7 +151,7 @@ def loader_config(*, dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, 
                   num_workers: Any, collate_fn: Any, pin_memory: Any, drop_last: Any, timeout: Any,
                   worker_init_fn: Any, multiprocessing_context: Any, generator: Any, prefetch_factor: Any,
                   persistent_workers: Any, pin_memory_device: Any, echo_factor: Any, echo_at: Any,
-                  max_echo: Any, transform: Any, augment: Any, shuffle_buffer: Any, seed: Any,
+                  max_echo: Any, transform: Any, augment: Any, augment_workers: Any, shuffle_buffer: Any, seed: Any,
                   deterministic: Any, worker_type: Any, output: Any, device: Any, rank: Any, world_size: Any,
                   ragged: Any, ragged_bytes: Any, padding: Any) -> LoaderConfig:
     """Validates ``EchoLoader``'s arguments, as given (see its docstring).
@@ -161,7 +162,7 @@ def loader_config(*, dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, 
     """
     workers = dataloader.num_workers(num_workers)
     worker_type, start_method = dataloader.worker_kind(worker_type, multiprocessing_context, workers)
-    start_method = start_method or (default_start_method() if worker_type == "process" else None)
+    start_method = start_method or (default_start_method() if "process" in (worker_type, augment_workers) else None)
     dataset = _check_dataset(dataset, worker_type)
     batch_sampler = check_batch_sampler(batch_sampler, batch_size, shuffle, sampler, drop_last, dataset)
     batch_size, batched = _check_batch_size(batch_size, drop_last)
@@ -187,6 +188,7 @@ def loader_config(*, dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, 
         worker_init_fn=dataloader.check_callable("worker_init_fn", worker_init_fn),
         persistent_workers=persistent_workers, echo=echo,
         transform=dataloader.check_callable("transform", transform), augment=augment,
+        augment_workers=_check_augment_workers(augment_workers, worker_type),
         shuffle_buffer=new_buffer, shuffle_buffer_given=shuffle_buffer is not None, seed=seed, seed_given=seed_given,
         deterministic=deterministic,
         deterministic_given=asked is True, worker_type=worker_type,
@@ -201,7 +203,7 @@ def loader_config(*, dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, 
     if config.collate_fn is not None and config.device is not None:
         raise ValueError("collate_fn: its result is yielded as it is, so `device` cannot move it; "
                          "move the batch in the loop (batch.to(device)), as with DataLoader")
-    if worker_type == "process":
+    if worker_type == "process" or (augment is not None and config.augment_workers == "process"):
         check_processes(config)
     dataloader.warn_many_workers(workers, worker_type)
     return config
@@ -219,6 +221,11 @@ def _check_persistent(value: Any, workers: int | None) -> bool:
     if _checks.flag("persistent_workers", value) and workers == 0:
         raise ValueError("persistent_workers: needs num_workers > 0 (workers to keep), as in DataLoader")
     return bool(value)
+
+
+def _check_augment_workers(value: Any, worker_type: str) -> str:
+    """Where ``augment`` runs: by default where reading does."""
+    return worker_type if value is None else _checks.choice("augment_workers", value, ("thread", "process"))
 
 
 def _check_batch_size(batch_size: Any, drop_last: Any) -> tuple[int, bool]:
@@ -242,7 +249,8 @@ def _deterministic(asked: bool | None, echo: Echo, dataset: Any, worker_type: st
     window (2 batches)."""
     if asked is not None:
         return asked
-    too_small = shuffle_buffer is not None and isinstance(shuffle_buffer, int) and shuffle_buffer < 2 * batch_size
+    too_small = (echo.per_example and isinstance(shuffle_buffer, int)  # batches resident with echo_at="batch"
+                 and shuffle_buffer < 2 * batch_size)
     iterable_ok = worker_type == "thread" and not isinstance(dataset, RayRows)
     return not echo.auto and not too_small and (is_map_style(dataset) or iterable_ok)
 

@@ -26,15 +26,18 @@ def check_processes(config: Any) -> None:
     if method not in multiprocessing.get_all_start_methods():
         raise ValueError(f"multiprocessing_context: expected one of {multiprocessing.get_all_start_methods()}, "
                          f"got {method!r}")
-    if config.workers > _core.MAX_WORKERS:
+    if config.worker_type == "process" and config.workers > _core.MAX_WORKERS:
         raise ValueError(f"num_workers: expected at most {_core.MAX_WORKERS} worker processes, got {config.workers}")
-    if config.sampler is not None and not hasattr(config.sampler, "__len__"):
+    if config.worker_type == "process" and config.sampler is not None and not hasattr(config.sampler, "__len__"):
         raise ValueError("sampler: without __len__ it is read lazily, as positions are claimed, in this process; "
                          "worker processes take the epoch's indices at its start: give the sampler a __len__, "
                          "or use worker_type='thread'")
-    for name in ("dataset", "transform", "worker_init_fn"):
+    names = ("dataset", "transform", "worker_init_fn") if config.worker_type == "process" else ()
+    if config.augment is not None and config.augment_workers == "process":
+        names += ("augment",)
+    for name in names:
         _check_picklable(name, getattr(config, name))
-    if config.deterministic_given and not config.map_style:
+    if config.worker_type == "process" and config.deterministic_given and not config.map_style:
         raise ValueError(
             "deterministic: worker processes each read their own shard of an iterable, which "
             "have no common order; use a map-style dataset, or worker_type='thread'"

@@ -28,8 +28,8 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import _core
-from ..errors import BufferClosed, stop_iteration_error
-from ..examples.leaves import read_only, row_of, stack
+from ..errors import BufferClosed
+from ..examples.leaves import stack
 from ..examples.structure import Structure
 from ..native.buffer import NativeBuffer
 from ..native.sizing import buffer_config, ragged_heap, reorder_window
@@ -37,7 +37,8 @@ from ..reading.source import EpochSource
 from ..tensors.pinned import pin_batch_memory
 from ..workers.failure import Failure
 from . import checkpoint
-from .delivery_rng import DeliveryRng
+from ..workers.augmenting import augmented
+from ..workers.delivery_rng import DeliveryRng
 from .stage import Batch, Stage
 
 __all__ = ["AugmentSpec", "AugmentStage", "check_state"]
@@ -53,7 +54,10 @@ class AugmentSpec:
         augment: the function, called per delivery.
         takes_rng: it accepts ``rng``: it is given a generator per delivery
             (keyed by ``seed``, the epoch, ``rank`` and the delivery number).
-        threads: threads that run it.
+        threads: threads that run it (with ``processes``: 1, the thread that
+            hands the worker processes their rows).
+        processes: worker processes that run it (0: threads do), and
+            ``start_method``, how they are started.
         exact: rows carry their positions: a state names every row.
         capacity, batch_size, drop_last, prefetch, deterministic, in_order:
             the output buffer's settings.
@@ -77,6 +81,8 @@ class AugmentSpec:
     declared_ragged: frozenset[str] | None
     ragged_bytes: int | None
     pinned_batches: int
+    processes: int = 0
+    start_method: str | None = None
 
 
 class _Task:
@@ -140,11 +146,13 @@ class AugmentStage:
             self._resume_from(resume)
         workers = 0 if self._ended else spec.threads
         self._running = workers
-        self._threads = [
-            threading.Thread(target=self._run, name=f"dataecho-augment-{i}", daemon=True) for i in range(workers)
-        ]
+        self._threads = [threading.Thread(target=self._run, name=f"dataecho-augment-{i}", daemon=True)
+                         for i in range(workers)]
         for thread in self._threads:
             thread.start()
+
+    # What the output buffer's objects are, and whether it is shared with worker processes (a subclass's).
+    _OBJECTS, _SHARED = "key", False
 
     # ---- the stage ----
 
@@ -195,7 +203,7 @@ class AugmentStage:
         output = None if self._ended else self.output
         return {"augmented": self._taken, "starved": output.stats()["starved"] if output is not None else 0}
 
-    def state(self) -> dict[str, Any] | None:
+    def state(self, timeout_s: float | None = None) -> dict[str, Any] | None:
         """Under the pull lock: no row is being taken from upstream meanwhile."""
         if self.unresumable is not None:
             return None
@@ -205,7 +213,7 @@ class AugmentStage:
         # whose intake window (batch_size numbers) the pending rows would wait
         # forever. An output created since the read above has yielded nothing:
         # the consumer is the thread taking this state.
-        snap = output.snapshot() if output is not None else None if self._ended else self._restore
+        snap = output.snapshot(timeout_s) if output is not None else None if self._ended else self._restore
         queued = [] if snap is None else [
             {"rows": np.array([self._positions[d] for d in q.tolist()], dtype=np.uint64), "deliveries": q}
             for q in snap.queued
@@ -242,30 +250,39 @@ class AugmentStage:
     # ---- the workers ----
 
     def _run(self) -> None:
+        """A thread of the stage: its work, whose error (but a stop) is the consumer's."""
         try:
-            rng = DeliveryRng(*self._rng_key) if self._rng_key is not None else None
-            while not self._stop.is_set():
-                try:
-                    task = self._take()
-                except StopIteration:
-                    break  # the upstream has ended
-                results = list(self._augmented(task, rng))
-                output = self.output or self._create_output([result for _, result in results])
-                for delivery, result in results:
-                    output.put_values(self.out_structure.flatten(result), seq=delivery)
+            self._work()
         except BufferClosed:
             pass
         except BaseException as error:  # handed to the consumer, which raises it
             if self._failure.set(error):
                 self._on_failure()
         finally:
-            with self._setup:
-                self._running -= 1
-                last = self._running == 0
-            if last:
-                if self.output is not None and not self._stop.is_set():
-                    self.output.close()
-                self.ready.set()
+            self._thread_done()
+
+    def _work(self) -> None:
+        """Augments the rows of every batch taken from upstream, into the output."""
+        rng = DeliveryRng(*self._rng_key) if self._rng_key is not None else None
+        while not self._stop.is_set():
+            try:
+                task = self._take()
+            except StopIteration:
+                break  # the upstream has ended
+            results = list(self._augmented(task, rng))
+            output = self.output or self._create_output([result for _, result in results])
+            for delivery, result in results:
+                output.put_values(self.out_structure.flatten(result), seq=delivery)
+
+    def _thread_done(self) -> None:
+        """The last thread to end closes the output (the epoch's end, unless stopped)."""
+        with self._setup:
+            self._running -= 1
+            last = self._running == 0
+        if last:
+            if self.output is not None and not self._stop.is_set():
+                self.output.close()
+            self.ready.set()  # nothing more will come, if no output was made
 
     def _take(self) -> _Task:
         """The next rows to augment: carried over from a checkpoint first, then
@@ -293,14 +310,7 @@ class AugmentStage:
         arrays = task.arrays
         if arrays is None:
             arrays = self._source.read_rows(self._structure, task.rows)
-        views = read_only(arrays)
-        for row, delivery in enumerate(task.deliveries.tolist()):
-            example = self._structure.unflatten([row_of(v, row) for v in views], copy_raw=True)
-            try:
-                result = self._augment(example) if rng is None else self._augment(example, rng=rng.at(delivery))
-            except StopIteration as stop:  # not this generator's end: an error (see Failure.set)
-                raise stop_iteration_error(stop, "augment") from stop
-            yield delivery, result
+        return augmented(self._augment, self._structure, arrays, task.deliveries, rng)
 
     def _out_structure_for(self, results: list) -> Structure:
         """The output's structure, from the first results (a batch of them: leaves
@@ -317,8 +327,10 @@ class AugmentStage:
                 raise BufferClosed("the epoch was stopped")
             if self.output is None:
                 config = self._output_config
-                config.pages, config.page_bytes = ragged_heap(structure, config.capacity, self._ragged_bytes, "key")
-                output = NativeBuffer(structure.fields(), config, self._restore)
+                config.shared = self._SHARED
+                config.pages, config.page_bytes = ragged_heap(structure, config.capacity, self._ragged_bytes,
+                                                              self._OBJECTS)
+                output = NativeBuffer(structure.fields(), config, self._restore, None, self._OBJECTS)
                 if self._pinned_batches:
                     pin_batch_memory(output, self._pinned_batches)
                 self.output = output

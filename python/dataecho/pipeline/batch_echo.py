@@ -143,7 +143,7 @@ class BatchEchoStage:
     def counters(self) -> dict[str, Any]:
         return {"fresh_batches": self.fresh_batches, "delivered_batches": self.delivered_batches}
 
-    def state(self) -> dict[str, Any] | None:
+    def state(self, timeout_s: float | None = None) -> dict[str, Any] | None:
         if not self._exact:
             return None
         return {

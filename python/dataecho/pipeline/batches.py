@@ -109,7 +109,7 @@ class BatchesIntake:
     def join(self, timeout_s: float) -> None:
         self._readers.join(timeout_s)
 
-    def state(self) -> dict[str, Any] | None:
+    def state(self, timeout_s: float | None = None) -> dict[str, Any] | None:
         if self.unresumable is not None:
             return None
         handed, ready = self._readers.pending()

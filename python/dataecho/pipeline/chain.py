@@ -18,6 +18,7 @@ from ..examples.structure import Structure
 from ..reading.source import EpochSource
 from ..workers.failure import Failure
 from . import augment, batch_echo, batches, checkpoint, delivery, intake, lockstep
+from .augment_processes import STAGED_BATCHES, AugmentProcessStage
 from .checkpoint import StateCheck
 from .plan import Plan
 from .stage import Stage
@@ -70,11 +71,12 @@ class Chain:
     def state(self, lock_timeout_s: float = -1) -> dict[str, Any] | None:
         """{stage name: state} between two batches (see dataecho.pipeline.checkpoint),
         or None before any stage exists (the epoch's start); ``lock_timeout_s``:
-        how long to wait for a stage thread's pull (-1: as long as it takes).
+        how long to wait for a stage thread's pull, and each stage for a batch
+        being assembled (-1: as long as it takes).
 
         Raises:
             ValueError: a stage whose state cannot be saved, with its reason.
-            TimeoutError: a stage thread's pull took longer than ``lock_timeout_s``.
+            TimeoutError: a stage thread's pull, or a batch, took longer than ``lock_timeout_s``.
         """
         if not self.stages:
             return None
@@ -86,7 +88,8 @@ class Chain:
         if not self.pull_lock.acquire(timeout=lock_timeout_s):
             raise TimeoutError("a stage thread is still pulling a batch")
         try:
-            return {stage.name: stage.state() for stage in stages}
+            timeout_s = None if lock_timeout_s < 0 else lock_timeout_s
+            return {stage.name: stage.state(timeout_s) for stage in stages}
         finally:
             self.pull_lock.release()
 
@@ -150,7 +153,13 @@ def _build(chain: Chain, plan: Plan, structure: Structure | None, source: EpochS
         copy = stage.copy_arrays if spec.views_batch_memory else None  # used where the leaves are tensors
         last = _add(chain, batch_echo.BatchEchoStage(spec, last, source.seeds[1], copy, states.get("batch_echo"),
                                                      read_batch))
-    if plan.augment is not None:
+    if plan.augment is not None and plan.augment.processes:
+        # The echo buffer assembles its batches in shared memory, where the augment workers read them.
+        staged = STAGED_BATCHES + 2 * plan.augment.processes + (plan.batch_echo.resident if plan.batch_echo else 0)
+        augmenting = AugmentProcessStage(plan.augment, last, structure, source, chain.failure, on_failure,
+                                         chain.pull_lock, states.get("augment"), stage.share_batch_memory(staged))
+        last, read_batch = _add(chain, augmenting), augmenting.read_batch
+    elif plan.augment is not None:
         augmenting = augment.AugmentStage(plan.augment, last, structure, source, chain.failure, on_failure,
                                           chain.pull_lock, states.get("augment"))
         last, read_batch = _add(chain, augmenting), augmenting.read_batch

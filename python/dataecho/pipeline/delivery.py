@@ -106,7 +106,7 @@ class DeliveryStage:
         if self._mover is not None:
             self._mover.close()
 
-    def state(self) -> dict[str, Any]:
+    def state(self, timeout_s: float | None = None) -> dict[str, Any]:
         """The batches taken from upstream and not yet handed out, oldest first."""
         return {"in_flight": [batch.ids() for batch, _ in self._in_flight] + list(self._replay)}
 

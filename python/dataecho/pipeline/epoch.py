@@ -15,6 +15,7 @@ left early). Its state for a checkpoint is ``{stage name: stage.state()}``.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import warnings
@@ -287,7 +288,8 @@ class Epoch:
         # (one may be in user code); worker processes are reaped.
         if getattr(self, "_closed", True):
             return
-        if self._batches > 0 and self._chain.resumable:
+        # At interpreter exit no stage thread runs any more: nothing to wait for.
+        if self._batches > 0 and self._chain.resumable and not sys.is_finalizing():
             try:
                 self._left = self.state(LEAVE_WAIT_S)
             except Exception:  # noqa: BLE001 - no state then: a later state_dict() gives the next epoch's start

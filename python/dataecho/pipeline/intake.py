@@ -37,6 +37,7 @@ from ..workers.failure import Failure
 from ..workers.inline import INLINE_WAIT_S, InlineReader
 from ..workers.processes import PROCESS_GRACE_S, ProcessProducers
 from ..workers.spec import WorkersSpec
+from ..workers.staging import SharedBlocks
 from ..workers.threads import Producers
 from . import checkpoint
 from .stage import Batch
@@ -259,6 +260,17 @@ class IntakeStage:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
 
+    def share_batch_memory(self, count: int) -> SharedBlocks:
+        """Has the echo buffer assemble its batches in ``count`` blocks of named
+        shared memory (it takes them before any of its own), where augment
+        worker processes read them (dataecho.workers.staging)."""
+        if self._buffer is None:  # resumed after the end: nothing more is assembled
+            return SharedBlocks(0, 1)
+        blocks = SharedBlocks(count, self._buffer.batch_bytes)
+        for address, nbytes in blocks.pointers():
+            self._buffer.add_batch_memory(address, nbytes, blocks)
+        return blocks
+
     def copy_arrays(self, arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
         """A copy of a batch's arrays, in a recycled block of the echo buffer's batch pool."""
         if self._buffer is None:  # resumed after the end: only replayed batches are left
@@ -281,7 +293,7 @@ class IntakeStage:
         if self._producers is not None:
             self._producers.join(timeout_s)
 
-    def state(self) -> dict[str, Any] | None:
+    def state(self, timeout_s: float | None = None) -> dict[str, Any] | None:
         if self.unresumable is not None:
             return None
         if not self._spec.exact:
@@ -292,7 +304,7 @@ class IntakeStage:
             return {"batches": 0, "rng_state": 0, "next_seq": self._read_at_end, "available": 0,
                     "positions": empty, "indices": empty.astype(np.int64), "echoes": empty.astype(np.uint32),
                     "queued": replayed, "ended": True}
-        snap = self._buffer.snapshot()
+        snap = self._buffer.snapshot(timeout_s)
         state = {key: int(getattr(snap, key)) for key in _SNAPSHOT_KEYS}
         state["ragged_bytes"] = self._buffer.stats()["pages"] * self._buffer.page_bytes
         positions = snap.seqs

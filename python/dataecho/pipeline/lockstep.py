@@ -136,7 +136,7 @@ class LockstepStage:
     def join(self, timeout_s: float) -> None:
         pass
 
-    def state(self) -> dict[str, Any] | None:
+    def state(self, timeout_s: float | None = None) -> dict[str, Any] | None:
         return None
 
     def counters(self) -> dict[str, Any]:

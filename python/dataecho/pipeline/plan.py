@@ -209,10 +209,13 @@ def _batch_echo(config: LoaderConfig, exact: bool) -> BatchEchoSpec:
 
 def _augment(config: LoaderConfig, exact: bool) -> AugmentSpec:
     takes_rng = config.augment_takes_rng
+    workers = DEFAULT_WORKERS if config.auto_workers else max(1, config.workers)
+    processes = workers if config.augment_workers == "process" else 0
     return AugmentSpec(
         augment=config.augment, takes_rng=takes_rng, seed=config.seed, rank=config.shard.rank,
-        # num_workers=0 reads inline; augment still runs on threads (2 when num_workers is not given).
-        threads=DEFAULT_WORKERS if config.auto_workers else max(1, config.workers), exact=exact,
+        # num_workers=0 reads inline; augment still runs on threads (2 when num_workers is not given),
+        # or worker processes, which one thread of the training process feeds.
+        threads=1 if processes else workers, processes=processes, start_method=config.start_method, exact=exact,
         capacity=max(4 * config.batch_size, 256), batch_size=config.batch_size, drop_last=config.drop_last,
         prefetch=config.prefetch, deterministic=config.deterministic, in_order=config.in_order,
         declared_ragged=config.ragged, ragged_bytes=config.ragged_bytes, pinned_batches=_pinned_batches(config),

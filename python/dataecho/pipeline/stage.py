@@ -83,10 +83,11 @@ class Stage(Protocol):
     def join(self, timeout_s: float) -> None:
         """Waits up to ``timeout_s`` for the stage's threads (and processes) to end."""
 
-    def state(self) -> dict[str, Any] | None:
+    def state(self, timeout_s: float | None = None) -> dict[str, Any] | None:
         """Where the stage stands, for a checkpoint; None if it cannot say (see
         ``unresumable``). Called from the consumer's thread between batches,
-        under the chain's pull lock."""
+        under the chain's pull lock; ``timeout_s``: how long it may wait for a
+        batch being assembled (TimeoutError after), None: as long as it takes."""
 
     def counters(self) -> dict[str, Any]:
         """Counters for ``EchoLoader.stats()``."""

@@ -28,14 +28,16 @@ SLICE_S = 0.01  # examples read one by one are put at least this often, however 
 Chunk = tuple[int, int, list]
 
 
-def claimed(claim_range: Any, chunk: int | Callable[[], int], reader: Any, columns: Columns) -> Iterator[Chunk]:
+def claimed(claim_range: Any, chunk: int | Callable[[], int], reader: Any, columns: Columns,
+            more: Callable[[], bool] = lambda: True) -> Iterator[Chunk]:
     """The chunks of the positions a worker claims, ``chunk`` at a time (asked
     again before each claim where it is a function; the reader's own ``claim``
     where larger), from a buffer's ``claim_range`` (in this process or a
-    worker's), until all are claimed."""
+    worker's), until all are claimed or ``more()``, asked before each claim,
+    says no (a claimed range is always read whole: every position is put)."""
     size = chunk if callable(chunk) else (lambda: chunk)
     own = getattr(reader, "claim", 0)
-    while True:
+    while more():
         first, count = claim_range(max(size(), own))
         if count == 0:
             return

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from .failure import Failure
 from .spec import WorkersSpec
-from .threads import AUTO_THREADS, Growth
+from .growth import AUTO_THREADS, Growth
 
 __all__ = ["BatchReaders"]
 
@@ -40,7 +40,7 @@ class BatchReaders:
         first: the number of the first batch to read (a resume starts later).
         spec: who reads (``"inline"`` or ``"thread"``), how many, and
             ``worker_init_fn``; ``auto``: one thread, more while reads wait
-            (dataecho.workers.threads.Growth).
+            (dataecho.workers.growth.Growth).
         ahead: batches read ahead of the consumer at most (raised to the
             number of threads: one in flight each).
         failure, on_failure: where a worker's exception goes, and what stops the epoch.

@@ -14,11 +14,8 @@ import itertools
 import os
 import random
 import re
-import signal
 import sys
-import threading
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +29,7 @@ from ..examples.structure import Structure
 from ..reading.chunking import claimed
 from ..reading.readers import map_reader
 from . import info
+from .life import guard, report, send
 
 _OK, _CLOSED = _core.Status.OK, _core.Status.CLOSED
 _REPORT_EVERY_S = 0.1
@@ -78,13 +76,9 @@ def main(spec: WorkerSpec, conn: Any, lifeline: Any, tasks: Any = None) -> None:
     ``worker_init_fn``, the seeds and ``get_worker_info()`` stay those of the
     first epoch, as in DataLoader.
     """
-    # Ctrl-C reaches the whole process group; the parent decides, and stops us.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _watch_owner(lifeline)
-    parent = os.getppid()  # the loader, or the forkserver
-    _die_with_parent()
-    if os.getppid() != parent:
-        return  # the parent died before the death signal was armed
+    parent = guard(lifeline)
+    if parent is None:
+        return
     worker_info = info.WorkerInfo(spec.worker_id, spec.num_workers, spec.seed, spec.source)
     info.set_worker_info(worker_info)
     _seed_and_inform(worker_info)
@@ -101,7 +95,7 @@ def main(spec: WorkerSpec, conn: Any, lifeline: Any, tasks: Any = None) -> None:
                                 f"the loader, which learns their structure from them "
                                 f"({type(exc).__name__}: {exc})") from None
     except BaseException as error:  # reported to the parent, which raises it
-        _report(conn, spec.worker_id, error)
+        report(conn, spec.worker_id, error)
         return
     spec = dataclasses.replace(spec, worker_init_fn=None)
     if started is not None and (spec := _next_task(spec, tasks)) is None:
@@ -145,9 +139,9 @@ def _epoch(spec: WorkerSpec, conn: Any, parent: int, started: _Started | None = 
     try:
         producer = _core.Producer(spec.region, [f.decl() for f in leaf_map.native])
     except BaseException as error:
-        _report(conn, spec.worker_id, error)
+        report(conn, spec.worker_id, error)
         return
-    _send(conn, ("ready", spec.worker_id))
+    send(conn, ("ready", spec.worker_id))
     meter = _Meter(producer, spec.worker_id)
     orphaned = lambda: os.getppid() != parent  # noqa: E731
     try:
@@ -167,17 +161,10 @@ def _epoch(spec: WorkerSpec, conn: Any, parent: int, started: _Started | None = 
                 if example is _END or not _produce(spec, producer, leaf_map, meter, orphaned, example, seq):
                     break
         meter.flush()
-        _send(conn, ("done", spec.worker_id))
+        send(conn, ("done", spec.worker_id))
     except BaseException as error:  # reported to the parent, which raises it
         meter.flush()
-        _report(conn, spec.worker_id, error)
-
-
-def _report(conn: Any, worker: int, error: BaseException) -> None:
-    """Sends an exception of this worker to the parent, which raises it."""
-    if isinstance(error, RuntimeError) and isinstance(error.__cause__, StopIteration):
-        error = error.__cause__  # a cause does not pickle: the parent's Failure wraps it again
-    _send(conn, ("error", worker, error, traceback.format_exc()))
+        report(conn, spec.worker_id, error)
 
 
 _END = object()
@@ -257,18 +244,6 @@ class _Meter:
         self._count, self._busy, self._last = 0, 0.0, time.perf_counter()
 
 
-def _send(conn: Any, message: tuple) -> None:
-    try:
-        conn.send(message)
-    except Exception:
-        # The exception itself may not pickle: send what can be shown.
-        if message[0] == "error":
-            _, worker, error, text = message
-            conn.send(("error", worker, RuntimeError(f"{type(error).__name__}: {error}"), text))
-        else:
-            raise
-
-
 def _seed_and_inform(worker: info.WorkerInfo) -> None:
     """Seeds this worker's global generators, as torch's DataLoader seeds its
     workers, and, where the source brought torch along (a torch Dataset),
@@ -290,32 +265,3 @@ def _seed_and_inform(worker: info.WorkerInfo) -> None:
     torch_worker._worker_info = torch_worker.WorkerInfo(
         id=worker.id, num_workers=worker.num_workers, seed=worker.seed, dataset=worker.dataset
     )
-
-
-def _watch_owner(lifeline: Any) -> None:
-    """Ends this process as soon as the owner of the loader is gone, whatever this
-    process is doing (waiting for a slot, or inside the user's code): nothing is
-    ever written to the lifeline, so it becomes readable only at EOF, when its
-    one writer, the owner, has exited."""
-
-    def watch() -> None:
-        try:
-            lifeline.poll(None)
-        except (OSError, EOFError):
-            pass
-        os._exit(0)  # nobody is left to report to
-
-    threading.Thread(target=watch, name="dataecho-owner-watch", daemon=True).start()
-
-
-def _die_with_parent() -> None:
-    """Linux: get SIGKILL when the parent dies, so no worker outlives it."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass

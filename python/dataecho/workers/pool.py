@@ -1,5 +1,5 @@
-"""``persistent_workers=True``: a loader's worker processes, kept from one
-epoch to the next, as DataLoader keeps them, so that an epoch does not pay for
+"""``persistent_workers=True``: a loader's worker processes (those that read,
+and those that augment), kept from one epoch to the next, as DataLoader keeps them, so that an epoch does not pay for
 starting processes and unpickling the source again.
 
 Between epochs a worker waits on its task pipe. Each epoch sends it what
@@ -14,7 +14,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
-__all__ = ["WorkerPool", "reap"]
+__all__ = ["WorkerPool", "close_workers", "reap"]
+
+
+def close_workers(tasks: list[Any], processes: list[Any], grace_s: float) -> None:
+    """Asks workers to exit (None on each task pipe), gives them ``grace_s``
+    seconds, then terminates and kills those that linger."""
+    for task in tasks:
+        try:
+            task.send(None)
+        except OSError:  # that worker is gone already
+            pass
+    reap(processes, time.monotonic() + grace_s)
 
 
 def reap(processes: list[Any], deadline: float) -> None:
@@ -40,6 +51,8 @@ class WorkerPool:
         results: per worker, the connection its messages arrive on.
         lifeline: the write end of the pipe whose EOF tells the workers that
             this process is gone (see dataecho.workers.processes).
+        augmenters: the augment worker processes (dataecho.workers.augmenters),
+            kept idle between epochs, or None.
     """
 
     def __init__(self) -> None:
@@ -48,6 +61,7 @@ class WorkerPool:
         self.lifeline: Any = None
         self._tasks: list[Any] = []
         self._usable = False
+        self.augmenters: Any = None
 
     @property
     def running(self) -> bool:
@@ -68,11 +82,9 @@ class WorkerPool:
         """Asks the workers to exit, gives them ``grace_s`` seconds, then
         terminates and kills those that linger. No process is left."""
         self._usable = False
-        for task in self._tasks:
-            try:
-                task.send(None)
-            except OSError:  # that worker is gone already
-                pass
-        reap(self.processes, time.monotonic() + grace_s)
+        augmenters, self.augmenters = self.augmenters, None
+        if augmenters is not None:
+            augmenters.close(grace_s)
+        close_workers(self._tasks, self.processes, grace_s)
         # Dropped, not closed: see ProcessProducers.join.
         self.processes, self.results, self._tasks, self.lifeline = [], [], [], None

@@ -23,14 +23,13 @@ from ..native.buffer import NativeBuffer
 from ..reading.chunking import chunked, claimed
 from ..reading.source import EpochSource
 from .failure import Failure
+from .growth import AUTO_THREADS, Growth
 from .probe import Probe, ProbePositions
 from .spec import WorkersSpec
 
 __all__ = ["AUTO_THREADS", "Growth", "Producers"]
 
 _END = object()
-AUTO_THREADS = 8  # workers=None: the most reading threads it grows to
-_SAMPLE_S = 0.05  # seconds of reading measured before deciding
 
 
 class Producers:
@@ -184,15 +183,15 @@ class Producers:
             return
         buffer, growth = self._buffer, self._growth
         counter = self._counters.setdefault(threading.current_thread(), [0, 0.0])
-        first_worker = threading.current_thread() is self._threads[0]
+        index = list(self._counters).index(threading.current_thread())  # in the order started: 0 decides growth
         started, cpu = time.perf_counter(), time.thread_time()
         # Smaller chunks as threads are added, where deterministic intake bounds how far they may read ahead.
         chunk = functools.partial(self._spec.chunk, self._source.chunk)
         for seq, rows, read in claimed(buffer.claim_range, lambda: chunk(len(self._counters)), self._source.reader,
-                                       self._columns):
+                                       self._columns, functools.partial(growth.reads, index)):
             busy = time.perf_counter() - started
             counter[1] += busy
-            if first_worker and (more := growth.observe(busy, time.thread_time() - cpu)):
+            if index == 0 and (more := growth.observe(busy, time.thread_time() - cpu, rows)):
                 self._spawn([self._read_map] * more, first_id=len(self._counters))
             buffer.put_each(read, rows, seq)
             counter[0] += rows
@@ -213,6 +212,7 @@ class Producers:
             return False
         for position, example in kept:
             buffer.put_values(self._structure.flatten(example), seq=position)
+        self._counters.setdefault(threading.current_thread(), [0, 0.0])[0] += len(kept)  # read by this thread
         return True
 
     # ---- stopping ----
@@ -332,27 +332,3 @@ class _Sink:
         for seq, examples in kept:
             buffer.put_each(self._producers._columns.of(examples), len(examples), seq)
         return True
-
-
-class Growth:
-    """``workers=None``: one reading thread, and more only where reading waits
-    rather than computes. A read whose thread's CPU time is a small part of its
-    wall time waits on I/O, a sleep or a lock, and more threads overlap those
-    waits; a read that computes, in Python (holding the GIL) or natively, gains
-    little from a second thread and loses to the contention. After ``_SAMPLE_S``
-    of reading, it asks for wall / CPU threads in all, up to ``limit``, once."""
-
-    def __init__(self, limit: int) -> None:
-        self._limit, self._wall, self._cpu = limit, 0.0, 0.0
-        self._decided = limit <= 1
-
-    def observe(self, wall_s: float, cpu_s: float) -> int:
-        """Threads to add after a read of ``wall_s`` seconds, ``cpu_s`` of them on the CPU."""
-        if self._decided:
-            return 0
-        self._wall, self._cpu = self._wall + wall_s, self._cpu + cpu_s
-        if self._wall < _SAMPLE_S:
-            return 0
-        self._decided = True
-        threads = min(self._limit, int(self._wall / max(self._cpu, 1e-6)))
-        return threads - 1 if threads >= 2 else 0

@@ -1,0 +1,167 @@
+"""What a loader costs the training step it feeds.
+
+A training step that is Python-heavy the way real steps are (many small torch
+ops, whose dispatch holds the GIL) runs over batches that are preloaded in
+memory, and then over each loader feeding it at full speed, in one run. The
+figure is the step's own time (the loop body, not the wait for a batch):
+every extra microsecond there is the loader competing with the training loop
+for the GIL or the cores. Per-example work is either Python-bound (a pure
+Python loop: holds the GIL) or GIL-releasing (a sleep, as I/O or native
+decoding), as ``transform`` and, where given, ``augment``.
+
+Contestants: ``EchoLoader`` with thread workers, with worker processes, with
+worker processes and ``augment`` in them (``worker_type="process"``), and
+torch ``DataLoader(num_workers=2)``. Target: with process workers and process
+``augment``, the step at most 5% slower than with preloaded batches.
+
+Usage:
+    python bench/bench_step.py [--steps 200] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import common
+import numpy as np
+import torch
+
+import dataecho
+
+BATCH, EXAMPLES = 64, 4096
+WORK_S = 50e-6  # per example, in transform (and again in augment)
+
+
+def python_bound(example: dict) -> dict:
+    """Per-example work in pure Python: holds the GIL for ~WORK_S."""
+    end, acc = time.perf_counter() + WORK_S, 0
+    while time.perf_counter() < end:
+        acc += 1
+    return example
+
+
+def gil_releasing(example: dict) -> dict:
+    """Per-example work that releases the GIL (I/O, native decoding)."""
+    time.sleep(WORK_S)
+    return example
+
+
+def python_bound_augment(example: dict, rng: np.random.Generator) -> dict:
+    return python_bound(example)
+
+
+def gil_releasing_augment(example: dict, rng: np.random.Generator) -> dict:
+    return gil_releasing(example)
+
+
+class Examples:
+    """Map-style: ``{"x": 1 KiB of float32, "id": i}``."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.pool = n, np.random.default_rng(0).random((16, 256), dtype=np.float32)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.pool[i % 16].copy(), "id": i}
+
+
+class Step:
+    """A Python-heavy step: ``ops`` small torch ops (dispatch-bound, holding the GIL)."""
+
+    def __init__(self, ops: int = 400) -> None:
+        self.ops, self.weight = ops, torch.ones(256)
+
+    def __call__(self, batch: dict) -> float:
+        x = torch.as_tensor(batch["x"])[:4, :16]
+        for _ in range(self.ops):
+            x = x * 0.999 + 0.001
+        return float(x.sum())
+
+
+def step_time(batches, step: Step, steps: int) -> float:
+    """Median time of the step's own body over ``steps`` batches (waits excluded)."""
+    times = []
+    for i, batch in enumerate(batches):
+        start = time.perf_counter()
+        step(batch)
+        times.append(time.perf_counter() - start)
+        if i + 1 >= steps:
+            break
+    return statistics.median(times[5:])
+
+
+def loaders(work: str):
+    """(name, loader factory) of the contestants for per-example work ``work``."""
+    transform = {"python": python_bound, "releasing": gil_releasing}[work]
+    augment = {"python": python_bound_augment, "releasing": gil_releasing_augment}[work]
+    common_args = {"batch_size": BATCH, "echo_factor": 2, "output": "torch", "transform": transform}
+
+    return [
+        ("EchoLoader, thread workers", lambda: dataecho.EchoLoader(Examples(EXAMPLES), **common_args)),
+        ("EchoLoader, thread workers + augment", lambda: dataecho.EchoLoader(Examples(EXAMPLES), augment=augment,
+                                                                             **common_args)),
+        ("EchoLoader, worker processes", lambda: dataecho.EchoLoader(Examples(EXAMPLES), worker_type="process",
+                                                                     num_workers=2, **common_args)),
+        ("EchoLoader, worker processes + augment", lambda: dataecho.EchoLoader(
+            Examples(EXAMPLES), worker_type="process", num_workers=2, augment=augment, **common_args)),
+        ("DataLoader(num_workers=2)", lambda: _torch_loader(transform)),
+    ]
+
+
+class _Transformed(torch.utils.data.Dataset):
+    def __init__(self, transform) -> None:
+        self.source, self.transform = Examples(EXAMPLES), transform
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.transform(self.source[i])
+
+
+def _torch_loader(transform):
+    return torch.utils.data.DataLoader(_Transformed(transform), batch_size=BATCH, shuffle=True, num_workers=2,
+                                       persistent_workers=True)
+
+
+def endless(make):
+    loader = make()
+    while True:
+        yield from loader
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    common.print_header(common.machine(), f"step: {Step().ops} small torch ops; batch {BATCH}; per-example work "
+                                          f"{WORK_S * 1e6:.0f} us; the step's own time, median; lower is better\n")
+    step = Step()
+    preloaded_batches = [{"x": torch.rand(BATCH, 256), "id": torch.arange(BATCH)} for _ in range(8)]
+    base = step_time((preloaded_batches[i % 8] for i in range(10 ** 9)), step, args.steps)
+    rows, results = [("preloaded batches", "", f"{base * 1e6:.0f} us", "")], {"preloaded_s": base, "runs": []}
+    for work in ("python", "releasing"):
+        for name, make in loaders(work):
+            batches = endless(make)
+            try:
+                t = step_time(batches, step, args.steps)
+            finally:
+                batches.close()
+            rows.append((name, "Python-bound" if work == "python" else "GIL-releasing", f"{t * 1e6:.0f} us",
+                         f"{t / base - 1:+.1%}"))
+            results["runs"].append({"loader": name, "work": work, "step_s": t, "slowdown": t / base - 1})
+    common.print_table(("loader", "transform/augment", "step", "slowdown"), rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
