@@ -64,7 +64,8 @@ def main() -> None:
         shared = per_batch_us(dataecho.to_jax, batch, args.rounds)
         copied = per_batch_us(lambda b: {k: jnp.array(v) for k, v in b.items()}, batch, args.rounds)
         mib = sum(leaf.nbytes for leaf in batch.values()) / 2**20
-        rows.append([f"{label} x {batch_size}", f"{mib:.2f}", f"{shared:.0f}", f"{copied:.0f}", f"{copied / shared:.1f}x"])
+        rows.append([f"{label} x {batch_size}", f"{mib:.2f}", f"{shared:.0f}", f"{copied:.0f}",
+                     f"{copied / shared:.1f}x"])
     common.print_table(["rows", "MiB", "to_jax (no copy)", "jnp.array (copy)", "copy / to_jax"], rows)
 
 

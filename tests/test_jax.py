@@ -17,8 +17,18 @@ import pytest
 
 jax = pytest.importorskip("jax", reason="the JAX output needs jax: pip install 'dataecho[jax]'")
 import jax.numpy as jnp  # noqa: E402
-from support import Records, checked_ids, examples, id_buffer, payload_of, run_python, spy_on_last_stage, tokens_of  # noqa: E402,E501
-from support import boxes_of, wait_for  # noqa: E402
+from support import (  # noqa: E402
+    Records,
+    boxes_of,
+    checked_ids,
+    examples,
+    id_buffer,
+    payload_of,
+    run_python,
+    spy_on_last_stage,
+    tokens_of,
+    wait_for,
+)
 
 import dataecho  # noqa: E402
 

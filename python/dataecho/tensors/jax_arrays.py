@@ -9,7 +9,8 @@ keeps a reference to the array (and so to the batch lease that owns the
 memory, its ``base``) until the last JAX array over it is gone: the batch pool
 recycles a block only once nothing references its lease, so a live JAX array
 never sees recycled memory. JAX never writes to it: its arrays are immutable,
-and it refuses to donate a buffer it does not own (jaxlib 0.3.24 and later).
+and a step that donates an array over memory JAX does not own gets new memory
+for its output (tests/test_jax.py checks both).
 
 Why not DLPack: ``jax.numpy.from_dlpack`` refuses a read-only NumPy array (the
 unversioned DLPack that JAX asks for cannot mark memory read-only), and
