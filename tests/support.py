@@ -104,7 +104,11 @@ def ragged_one(i: int) -> dict[str, Any]:
 
 def rows(leaf: Any) -> list[np.ndarray]:
     """A batch's ragged leaf as one NumPy array per row, whatever its form: a
-    Ragged, a jagged nested tensor, or a Padded of arrays or tensors."""
+    Ragged, a JaxRagged, a jagged nested tensor, or a Padded of arrays, tensors
+    or JAX arrays."""
+    if isinstance(leaf, dataecho.JaxRagged):
+        values, offsets = np.asarray(leaf.values), np.asarray(leaf.offsets)
+        return [values[start:end] for start, end in zip(offsets[:-1], offsets[1:])]
     if isinstance(leaf, dataecho.Padded):
         data, lengths = np.asarray(leaf.data), np.asarray(leaf.lengths)
         assert (np.asarray(leaf.mask).sum(axis=1) == lengths).all(), "the mask covers each row's length"

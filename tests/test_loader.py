@@ -581,7 +581,7 @@ def test_pinned_batches_reach_the_gpu(seed):
         ({"source": range(3)}, TypeError, "source"),
         ({"workers": 2}, TypeError, "workers"),
         ({"max_echo": 0.9}, ValueError, "max_echo"),
-        ({"output": "jax"}, ValueError, "output"),
+        ({"output": "tensorflow"}, ValueError, "output"),
         ({"pin_memory": 1}, TypeError, "pin_memory"),
     ],
 )

@@ -28,6 +28,9 @@ namespace py = pybind11;
 // module is initialized: casting a Status by value goes through the Python enum
 // type's constructor, which costs about half a microsecond per put. Strong
 // references, kept for the life of the process (the module is never unloaded).
+// GIL: written once, under it, while the module is imported (before any call into
+// the module), then only read, each read taking a reference under it. Not checked
+// without the GIL (no free-threaded wheel: docs/install.md).
 inline py::handle g_status_objects[3];
 
 inline py::object status_object(Status status) {

@@ -174,7 +174,8 @@ inline bool matches(const FieldSpec& spec, const py::array& a) {
 }
 
 // How many leading items of `values` (a list) are arrays that match `spec`
-// exactly: those can be put as they are.
+// exactly: those can be put as they are. GIL: the items are borrowed, valid only
+// while no other thread can change the list, which the GIL held here ensures.
 inline std::size_t exact_rows(const FieldSpec& spec, py::handle values) {
   if (!PyList_Check(values.ptr())) throw py::type_error("values: expected a list");
   const auto items = py::reinterpret_borrow<py::list>(values);

@@ -10,6 +10,11 @@
 // they did not put after they retake it; next() gives back a batch's handles,
 // once per batch, on the consumer's thread. The assembler never touches Python.
 //
+// GIL: it is this class's only lock. Producer threads' puts and the consumer's
+// next() change counts_ and the owners' reference counts from different threads,
+// and the GIL keeps them one at a time; without it (a free-threaded build) they
+// would race. The owners' flags (writeable) rely on it the same way.
+//
 // An owner handed over (not a source array, which is read and never changed)
 // is lent: a NumPy array writeable when first held is made read-only, so that
 // no write through it changes memory a held example still uses, and writeable

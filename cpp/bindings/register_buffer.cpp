@@ -105,6 +105,8 @@ class PyBuffer {
     ShuffleBuffer& core = live();
     Batch batch;
     const Status status = call_blocking([&](Deadline d) { return core.next(batch, d); }, timeout_s);
+    // GIL: retaken by call_blocking; the releases (decrefs, writeable flags) run on
+    // the consumer's thread under it, while producers' puts may take holds on theirs.
     holdings_.release_all(batch.unheld);  // their last echoes are in this batch or an earlier one, or never come
     if (status != Status::kOk) return {status_object(status), py::none()};
     last_seqs_ = std::move(batch.seqs);
@@ -165,6 +167,9 @@ class PyBuffer {
   py::array_t<std::uint64_t> last_seqs() const { return py::array_t<std::uint64_t>(last_seqs_.size(), last_seqs_.data()); }
 
   // With a key field: the keys of the examples freed while the last batch was assembled.
+  // Object leaves: the core carries only these keys; their objects' references are
+  // dropped in Python (dataecho/examples/objects.py) on the consumer's thread, under
+  // the GIL, which also orders them against the producers' puts of new keys.
   py::array_t<std::uint64_t> last_released() const {
     return py::array_t<std::uint64_t>(last_released_.size(), last_released_.data());
   }
@@ -219,7 +224,9 @@ class PyBuffer {
   // the value of a single put, an item of a list column, else the column's
   // array (stacked rows, or the source of (array, indices)). All but a source
   // are lent: read-only while held (see Holdings). Entries of rows before
-  // `first` and of values copied are 0.
+  // `first` and of values copied are 0. GIL: the lists are read through borrowed
+  // items (PyList_GET_ITEM) and the holds taken while it is held, so that no other
+  // thread changes them, or the counts, meanwhile.
   std::vector<std::uint64_t> take_holds(py::handle columns, py::handle hold, std::size_t n, std::size_t first,
                                         bool single) {
     if (hold.is_none()) return {};
@@ -302,7 +309,9 @@ class PyBuffer {
 
   // Releases a block's owner. Blocks die with the pool, normally under the GIL
   // (a batch's arrays or the buffer being deallocated); at interpreter exit the
-  // reference is left alone rather than touch a finalizing interpreter.
+  // reference is left alone rather than touch a finalizing interpreter. GIL: taken
+  // here (PyGILState_Ensure) whether or not the caller holds it, so that the decref
+  // is safe on whichever thread drops the last lease.
   static void drop_reference(void* object) noexcept {
     if (!Py_IsInitialized() || interpreter_finalizing()) return;
     const PyGILState_STATE state = PyGILState_Ensure();
@@ -316,6 +325,8 @@ class PyBuffer {
   }
 
   std::vector<FieldSpec> specs_;
+  // GIL: next() writes these and the last_* getters read them; the GIL keeps the
+  // two apart when different Python threads call them (the loader calls both on one).
   std::vector<std::uint64_t> last_seqs_;
   std::vector<std::uint64_t> last_released_;
   Holdings holdings_;                    // after core_ is gone: nothing reads held values then

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from .buffer import ShuffleBuffer
 from .errors import BufferClosed
-from .examples.ragged import Padded, Ragged
+from .examples.jax_trees import to_jax
+from .examples.ragged import JaxRagged, Padded, Ragged
 from .loader import EchoLoader
 from .workers.info import WorkerInfo, get_worker_info
 
-__all__ = ["BufferClosed", "EchoLoader", "Padded", "Ragged", "ShuffleBuffer", "WorkerInfo", "__version__",
-           "get_worker_info"]
+__all__ = ["BufferClosed", "EchoLoader", "JaxRagged", "Padded", "Ragged", "ShuffleBuffer", "WorkerInfo",
+           "__version__", "get_worker_info", "to_jax"]
 __version__ = "0.1.0"

@@ -10,7 +10,7 @@ starts a :class:`dataecho.pipeline.epoch.Epoch`, whose chain of stages is::
     source -> [producers: read, transform] -> echo buffer (native)   intake
            -> [batch echoing]                   (echo_at="batch")     batch_echo
            -> [augment threads] -> output buffer (augment given)      augment
-           -> batches as NumPy arrays or torch tensors, on `device`   delivery
+           -> batches as NumPy, torch or JAX arrays, on a device    delivery
 
 With a ``batch_sampler`` the intake reads its batches whole, in its order
 (no echo buffer), and echo repeats them whole (batch echoing).
@@ -58,8 +58,7 @@ _ATTRIBUTES: dict[str, Callable[[LoaderConfig], Any]] = {
     **{name: (lambda c, name=name: getattr(c, name)) for name in (
         "dataset", "shuffle", "collate_fn", "pin_memory", "drop_last", "worker_init_fn",
         "prefetch_factor", "persistent_workers", "transform", "augment", "augment_workers", "shuffle_buffer", "seed",
-        "deterministic",
-        "worker_type", "output", "device", "ragged", "ragged_bytes", "padding")},
+        "deterministic", "worker_type", "output", "device", "jax_device", "ragged", "ragged_bytes", "padding")},
 }
 
 
@@ -75,7 +74,7 @@ class EchoLoader:
             defines), or a Ray Data ``Dataset``/``DataIterator``. An example is an
             array, a number, a tensor, an object, or a dict/tuple/list of them.
         batch_size: examples per batch (1); None yields each example alone, as
-            the dataset returned it (``default_convert``-ed with ``output="torch"``).
+            the dataset returned it (its arrays converted as ``output`` says).
         shuffle: map-style datasets: a new random order every epoch (default
             True, False with a ``sampler``). With False, batches follow the
             reading order exactly at ``echo_factor=1``.
@@ -86,7 +85,7 @@ class EchoLoader:
         sampler, collate_fn, pin_memory, drop_last, timeout,
         worker_init_fn, multiprocessing_context, generator, prefetch_factor,
         persistent_workers, pin_memory_device: as in DataLoader;
-            ``collate_fn`` gets the examples as the dataset returned them.
+            ``collate_fn`` gets the examples as the dataset returned them; its result is yielded as is.
         batch_sampler: as in DataLoader; its batches exactly, in its order,
             echoed whole; threads or ``num_workers=0``, no ``augment``.
         echo_factor: mean deliveries per example (or batch), a number >= 1
@@ -106,8 +105,12 @@ class EchoLoader:
             alone, whatever the workers' timing, and exact mid-epoch states.
             Default: wherever it can be (not with ``"auto"``, worker processes
             over an iterable, a Ray dataset, or a buffer below two batches).
-        worker_type, output: ``"thread"`` or ``"process"``; ``"numpy"`` or ``"torch"``.
-        device: a torch device; batches are copied there one batch ahead.
+        worker_type: ``"thread"`` or ``"process"``.
+        output: ``"numpy"``, ``"torch"`` (tensors over the batch memory) or ``"jax"``
+            (JAX arrays, over the batch memory on a CPU: :func:`dataecho.to_jax` says when a copy is made).
+        device: a torch device; batches are copied there one batch ahead (not with ``output="jax"``).
+        jax_device: with ``output="jax"``: a ``jax.Device`` or a platform name
+            (``"cpu"``: its first device); None: JAX's default device.
         rank, world_size: this process's part of a data-parallel job: an equal,
             disjoint shard per rank (default: what ``torch.distributed`` says as
             each epoch starts; with ``"auto"``, the ranks echo in lockstep).
@@ -116,7 +119,8 @@ class EchoLoader:
 
     Raises:
         TypeError, ValueError: a bad argument, named in the message.
-        RuntimeError: a CUDA ``device`` without CUDA.
+        RuntimeError: a CUDA ``device`` without CUDA, or a ``jax_device`` not here.
+        ImportError: ``output="jax"`` without jax installed.
     """
 
     def __init__(
@@ -150,6 +154,7 @@ class EchoLoader:
         worker_type: str | None = None,
         output: str = "numpy",
         device: Any = None,
+        jax_device: Any = None,
         rank: int | None = None,
         world_size: int | None = None,
         ragged: Any = None,
@@ -163,9 +168,8 @@ class EchoLoader:
             generator=generator, prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device, echo_factor=echo_factor, echo_at=echo_at, max_echo=max_echo,
             transform=transform, augment=augment, augment_workers=augment_workers, shuffle_buffer=shuffle_buffer,
-            seed=seed,
-            deterministic=deterministic, worker_type=worker_type, output=output, device=device, rank=rank,
-            world_size=world_size, ragged=ragged, ragged_bytes=ragged_bytes, padding=padding,
+            seed=seed, deterministic=deterministic, worker_type=worker_type, output=output, device=device, rank=rank,
+            world_size=world_size, ragged=ragged, ragged_bytes=ragged_bytes, padding=padding, jax_device=jax_device,
         )
         self._plan = plan(self.config)
         self._structure: Structure | None = None
@@ -177,9 +181,7 @@ class EchoLoader:
         self._starting = threading.Lock()
         self._job = Job()  # this loader's part of a data-parallel job
         self._left: dict[str, Any] | None = None  # where an epoch left part-way stood (Epoch.__del__)
-        processes = self.config.worker_type == "process" or (self.config.augment is not None
-                                                             and self.config.augment_workers == "process")
-        self._pool = WorkerPool() if self.config.persistent_workers and processes else None
+        self._pool = WorkerPool() if self.config.keeps_workers else None
         self._memory = _core.BlockCache()  # the echo buffer's memory, from one epoch to the next
 
     # EchoLoader[Tensor] in annotations, as DataLoader[Tensor].
@@ -261,17 +263,11 @@ class EchoLoader:
         current = self._current
         if current is None and self._left is not None:  # a loop left with `break`: where it stood
             return dict(self._left)
-        state = self._envelope(self._numbers.next, None)
+        state = _envelope(self, self._numbers.next, None)
         if current is not None:
             state["epoch"] = current.epoch
             state["stages"] = current.state()
         return state
-
-    def _envelope(self, epoch: int, stages: dict[str, Any] | None) -> dict[str, Any]:
-        """A state of this loader (see dataecho.pipeline.checkpoint)."""
-        structure = None if self._structure is None else describe(self._structure)
-        return {"format": FORMAT, "epoch": epoch, "config": self.config.fingerprint(), "structure": structure,
-                "stages": stages}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resumes from ``state_dict()``'s result at the next ``iter(loader)``;
@@ -326,6 +322,13 @@ def _release(kept: dict[str, Any]) -> None:
         kept["_memory"].clear()
 
 
+def _envelope(loader: EchoLoader, epoch: int, stages: dict[str, Any] | None) -> dict[str, Any]:
+    """A state of ``loader`` (see dataecho.pipeline.checkpoint)."""
+    structure = None if loader._structure is None else describe(loader._structure)
+    return {"format": FORMAT, "epoch": epoch, "config": loader.config.fingerprint(), "structure": structure,
+            "stages": stages}
+
+
 def _learned(loader_ref: Callable[[], EchoLoader | None], structure: Structure) -> None:
     """The first examples told the structure: later epochs start from it."""
     loader = loader_ref()
@@ -339,7 +342,7 @@ def _ended(loader: EchoLoader, resume: dict[str, Any] | None, counters: dict[str
     if any; ``left``: where it stood if its consumer left it part-way."""
     loader._totals.add(counters, workers)
     if left is not None:
-        loader._left = loader._envelope(counters["epoch"], left)
+        loader._left = _envelope(loader, counters["epoch"], left)
     if counters["batches"] == 0 and counters["state"] == "stopped":  # as if never started
         loader._numbers.give_back(counters["epoch"])
         if resume is not None and loader._resume is None:

@@ -19,10 +19,10 @@ from .. import _checks, _core
 from ..reading.ray import RayRows, is_ray_data
 from ..reading.sharding import Shard, resolve_shard
 from ..reading.source import is_map_style
-from ..tensors.convert import import_torch
 from ..workers.processes import default_start_method
 from . import dataloader
 from .batch_sampler import check_batch_sampler, check_with_batch_sampler, default_echo_at
+from .output import check_output
 from .processes import check_processes
 from .echo import Echo
 
@@ -74,17 +74,24 @@ class LoaderConfig:
     prefetch_factor: int | None
     start_method: str | None
     output: str
-    device: Any
+    device: Any  # torch's (dataecho.config.output)
     shard: Shard
     shard_given: bool  # rank and world_size were given; else torch.distributed decides as each epoch starts
     ragged: frozenset[str] | None = None  # leaf paths declared ragged
     ragged_bytes: int | None = None  # the page heap's budget (None: sized from the first examples)
     padding: int | str | None = None  # None (packed), "longest" or a length
     batch_sampler: Any = None  # forms the batches (dataecho.config.batch_sampler); batch_size is then 1, unused
+    jax_device: Any = None  # with output="jax": a jax.Device, or None (JAX's default device)
 
     @property
     def map_style(self) -> bool:
         return is_map_style(self.dataset)
+
+    @property
+    def keeps_workers(self) -> bool:
+        """Worker processes (reading, or augmenting) kept from one epoch to the next."""
+        augmenting = self.augment is not None and self.augment_workers == "process"
+        return self.persistent_workers and (self.worker_type == "process" or augmenting)
 
     @property
     def in_order(self) -> bool:
@@ -153,12 +160,13 @@ def loader_config(*, dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, 
                   persistent_workers: Any, pin_memory_device: Any, echo_factor: Any, echo_at: Any,
                   max_echo: Any, transform: Any, augment: Any, augment_workers: Any, shuffle_buffer: Any, seed: Any,
                   deterministic: Any, worker_type: Any, output: Any, device: Any, rank: Any, world_size: Any,
-                  ragged: Any, ragged_bytes: Any, padding: Any) -> LoaderConfig:
+                  ragged: Any, ragged_bytes: Any, padding: Any, jax_device: Any) -> LoaderConfig:
     """Validates ``EchoLoader``'s arguments, as given (see its docstring).
 
     Raises:
         TypeError, ValueError: a bad argument, named in the message.
-        RuntimeError: a ``device`` that is not available here.
+        RuntimeError: a ``device`` or ``jax_device`` that is not available here.
+        ImportError: ``output="jax"`` without jax installed.
     """
     workers = dataloader.num_workers(num_workers)
     worker_type, start_method = dataloader.worker_kind(worker_type, multiprocessing_context, workers)
@@ -180,6 +188,7 @@ def loader_config(*, dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, 
     persistent_workers = _check_persistent(persistent_workers, workers)
     # num_workers not given: threads start with one reader (see dataecho.workers.threads); processes, 2.
     auto_workers = workers is None and worker_type == "thread"
+    output, device, jax_device = check_output(output, device, jax_device, pin_memory, collate_fn)
     config = LoaderConfig(
         dataset=dataset, batch_size=batch_size, batched=batched, shuffle=shuffle, sampler=sampler,
         collate_fn=dataloader.check_callable("collate_fn", collate_fn),
@@ -194,15 +203,12 @@ def loader_config(*, dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, 
         deterministic_given=asked is True, worker_type=worker_type,
         workers=1 if auto_workers else _check_workers(workers, worker_type), auto_workers=auto_workers,
         prefetch=dataloader.prefetch(prefetch_factor, workers), prefetch_factor=prefetch_factor,
-        start_method=start_method, output=_checks.choice("output", output, ("numpy", "torch")),
-        device=_check_device(device), shard=shard, shard_given=rank is not None, ragged=_check_ragged(ragged),
+        start_method=start_method, output=output, device=device, shard=shard, shard_given=rank is not None,
+        ragged=_check_ragged(ragged),
         ragged_bytes=None if ragged_bytes is None else _checks.positive_int("ragged_bytes", ragged_bytes),
-        padding=_check_padding(padding), batch_sampler=batch_sampler,
+        padding=_check_padding(padding), batch_sampler=batch_sampler, jax_device=jax_device,
     )
     check_with_batch_sampler(config, echo_at)
-    if config.collate_fn is not None and config.device is not None:
-        raise ValueError("collate_fn: its result is yielded as it is, so `device` cannot move it; "
-                         "move the batch in the loop (batch.to(device)), as with DataLoader")
     if worker_type == "process" or (augment is not None and config.augment_workers == "process"):
         check_processes(config)
     dataloader.warn_many_workers(workers, worker_type)
@@ -378,22 +384,3 @@ def _check_sampler(sampler: Any, shuffle: Any, dataset: Any) -> tuple[Any, bool]
     if not isinstance(sampler, Iterable):
         raise TypeError(f"sampler: expected a torch Sampler or an iterable of indices, got {type(sampler).__name__}")
     return sampler, False
-
-
-def _check_device(device: Any) -> Any:
-    """A torch device that exists here, checked now rather than at the first batch."""
-    if device is None:
-        return None
-    torch = import_torch()
-    try:
-        device = torch.device(device)
-    except (TypeError, ValueError, RuntimeError) as exc:  # ValueError: an index beyond int64
-        raise ValueError(f"device: {device!r} is not a torch device ({exc})") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device: expected a 'cpu' or 'cuda' device (batches are copied on CUDA streams), "
-                         f"got {device}; move batches to other devices in the loop")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device: {device} needs CUDA, and torch.cuda.is_available() is False")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise RuntimeError(f"device: {device}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return device

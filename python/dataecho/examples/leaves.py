@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from ..tensors.convert import array_to_tensor, from_numpy, import_torch
+from ..tensors.jax_arrays import aligned_empty
 from ..tensors.nested import nested_from_packed
 from .fields import field_value
 from .given import row_of
@@ -46,7 +47,9 @@ def stack_leaf(values: list, kind: str, dtype: Any = None, row_shape: tuple[int,
         return list(values)
     if kind == "ragged":
         return Ragged.from_rows(values, dtype, row_shape)
-    return np.stack(values)
+    # Aligned, so that JAX takes the batch without a copy (dataecho.tensors.jax_arrays).
+    first = np.asarray(values[0])
+    return np.stack(values, out=aligned_empty((len(values), *first.shape), first.dtype if dtype is None else dtype))
 
 
 def read_only(leaves: Sequence[Any]) -> tuple[Any, ...]:

@@ -21,9 +21,10 @@ from typing import Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
+from ..tensors.jax_arrays import aligned_empty, import_jax
 from ..tensors.nested import nested_from_packed
 
-__all__ = ["Padded", "Ragged"]
+__all__ = ["JaxRagged", "Padded", "Ragged"]
 
 class Padded(NamedTuple):
     """Rows padded to one length, and their own lengths.
@@ -40,12 +41,51 @@ class Padded(NamedTuple):
     @property
     def mask(self) -> Any:
         """``(batch, length)`` bool: True where ``data`` holds a row's values
-        (an attention mask); a NumPy array or a tensor, like ``data``."""
-        positions = np.arange(self.data.shape[1]) if isinstance(self.data, np.ndarray) else _torch_arange(self.data)
+        (an attention mask); a NumPy array, a tensor or a JAX array, like ``data``."""
+        positions = np.arange(self.data.shape[1]) if isinstance(self.data, np.ndarray) else _arange_like(self.data)
         return positions[None, :] < self.lengths[:, None]
 
     def __repr__(self) -> str:
         return f"Padded(data={_describe(self.data)}, lengths={_describe(self.lengths)})"
+
+
+class JaxRagged(NamedTuple):
+    """A ragged leaf as JAX arrays: the rows packed, as in :class:`Ragged`.
+
+    A named tuple, so a JAX pytree: ``jax.jit``, ``jax.tree.map`` and
+    ``jax.device_put`` take it as it is. Its ``values`` change length from
+    batch to batch, so a jitted function retraces for each new total; pad
+    (``EchoLoader(padding=length)``) where shapes must stay fixed.
+
+    Attributes:
+        values: ``(total, *row_shape)``: row ``i`` is ``values[offsets[i]:offsets[i + 1]]``.
+        offsets: ``(batch + 1,)``, from 0 to ``total`` (int32 unless ``jax_enable_x64``).
+    """
+
+    values: Any
+    offsets: Any
+
+    @property
+    def num_segments(self) -> int:
+        """The number of rows (a Python int: static under ``jax.jit``)."""
+        return self.offsets.shape[0] - 1
+
+    @property
+    def lengths(self) -> Any:
+        """Each row's length, ``(batch,)``."""
+        return import_jax().numpy.diff(self.offsets)
+
+    @property
+    def segment_ids(self) -> Any:
+        """``(total,)``: the row each value belongs to, as
+        ``jax.ops.segment_sum(values, segment_ids, num_segments)`` takes them
+        (sorted, so ``indices_are_sorted=True`` holds)."""
+        jnp = import_jax().numpy
+        rows = jnp.arange(self.num_segments, dtype=self.offsets.dtype)
+        return jnp.repeat(rows, self.lengths, total_repeat_length=self.values.shape[0])
+
+    def __repr__(self) -> str:
+        return f"JaxRagged(values={_describe(self.values)}, offsets={_describe(self.offsets)})"
 
 
 class Ragged:
@@ -90,8 +130,10 @@ class Ragged:
         np.cumsum([len(a) for a in arrays], out=offsets[1:])
         if not arrays:
             return cls(np.zeros((0, *row_shape), dtype=dtype), offsets)
-        values = np.concatenate([a.reshape(len(a), *row_shape) for a in arrays])
-        return cls(values if dtype is None else values.astype(dtype, copy=False), offsets)
+        parts = [a.reshape(len(a), *row_shape) for a in arrays]
+        # Aligned, so that JAX takes the values without a copy (dataecho.tensors.jax_arrays).
+        values = aligned_empty((int(offsets[-1]), *row_shape), np.result_type(*parts) if dtype is None else dtype)
+        return cls(np.concatenate(parts, out=values), offsets)
 
     @property
     def lengths(self) -> np.ndarray:
@@ -142,8 +184,8 @@ class Ragged:
         elif longest > length:
             row = int(np.argmax(lengths))
             raise ValueError(f"padded(): row {row} has {longest} rows, more than length={length}")
-        shape = (len(self), length, *self.row_shape)
-        data = np.zeros(shape, dtype=self.dtype) if value == 0 else np.full(shape, value, dtype=self.dtype)
+        data = aligned_empty((len(self), length, *self.row_shape), self.dtype)  # for JAX, as in from_rows
+        data.fill(value)
         if len(self.values):
             # The mask's True cells, in C order, are the packed values' places.
             data[np.arange(length)[None, :] < lengths[:, None]] = self.values
@@ -182,7 +224,11 @@ def _describe(value: Any) -> str:
     return f"{type(value).__name__} {shape} {getattr(value, 'dtype', '')}".rstrip()
 
 
-def _torch_arange(tensor: Any) -> Any:
-    import torch
+def _arange_like(data: Any) -> Any:
+    """The positions of ``data``'s second axis, in its own library: torch's
+    (on its device), or JAX's (a JAX array, or a tracer inside ``jax.jit``)."""
+    if type(data).__module__.startswith("torch"):
+        import torch
 
-    return torch.arange(tensor.shape[1], device=tensor.device)
+        return torch.arange(data.shape[1], device=data.device)
+    return import_jax().numpy.arange(data.shape[1])

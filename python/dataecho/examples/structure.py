@@ -149,7 +149,7 @@ class Structure:
         return out[0]
 
     def unflatten(self, leaves: Sequence[Any], wrap: Callable[[Any], Any] | None = None,
-                  copy_raw: bool = False) -> Any:
+                  copy_raw: bool = False, raw: Callable[[Any, str, str], Any] | None = None) -> Any:
         """Builds the tree back from leaves in flattening order.
 
         Args:
@@ -157,25 +157,31 @@ class Structure:
             wrap: maps each leaf (``to_torch``, say), raw leaves excepted.
             copy_raw: raw leaves get memory of their own, for code that may
                 write to them; by default they view their leaf's memory.
+            raw: how a raw leaf is given back, ``raw(bits, dtype_name, path)``
+                (for JAX: an ml_dtypes array); by default a torch tensor.
 
         Returns:
-            The tree, with each raw leaf a torch tensor of its dtype (see above).
+            The tree, with each raw leaf a torch tensor of its dtype (see
+            above), or what ``raw`` gives.
         """
         if self._has_raw:
+            raw = raw or (lambda bits, name, _: raw_to_tensor(bits, name, copy_raw))
             leaves = [
-                raw_to_tensor(leaf, name, copy_raw) if name is not None else leaf if wrap is None else wrap(leaf)
-                for leaf, name in zip(leaves, self.torch_dtypes)
+                raw(leaf, name, path or "example") if name is not None else leaf if wrap is None else wrap(leaf)
+                for leaf, name, path in zip(leaves, self.torch_dtypes, self.paths)
             ]
             wrap = None
         it = iter(leaves if wrap is None else map(wrap, leaves))
         return build(self._root, it)
 
-    def example(self, leaves: Sequence[Any], i: int) -> Any:
+    def example(self, leaves: Sequence[Any], i: int, raw: Callable[[Any, str, str], Any] | None = None) -> Any:
         """Row ``i`` of a batch's leaves as the dataset returned it: a Python
         number as a Python number, a NumPy scalar as one, a tensor as a tensor
         (over the batch memory), an array as a view, a list of numbers as a
-        list, an object as itself (what ``collate_fn`` is given)."""
-        return self.unflatten([as_given(row_of(leaf, i), given) for leaf, given in zip(leaves, self.given)])
+        list, an object as itself (what ``collate_fn`` is given); ``raw``: as
+        for :meth:`unflatten`."""
+        return self.unflatten([as_given(row_of(leaf, i), given) for leaf, given in zip(leaves, self.given)],
+                              raw=raw)
 
 
 def _first_leaf(value: Any, path: str) -> tuple[np.ndarray, str | None]:

@@ -45,7 +45,8 @@ class OutputSpec:
     """What the epoch does with each batch the last stage yields, and how it waits.
 
     Attributes:
-        to_torch: host batches are handed out as torch tensors (``output="torch"`` without a device).
+        convert: what host batches become: ``"torch"`` (tensors, ``output="torch"``
+            without a device), ``"jax"`` (JAX arrays), or None (as the last stage gives them).
         batched: False for ``batch_size=None``: each batch of one is yielded as its example.
         collate_fn: called with the batch's examples (or, not batched, the
             example), each as the dataset returned it; its result is yielded.
@@ -55,9 +56,10 @@ class OutputSpec:
         strict: a declared path that is not a leaf of the examples raises
             (False where ``augment`` may make it one).
         warn_starved: say when the ragged budget made a deterministic order depend on timing.
+        jax_device: with ``convert="jax"``, the ``jax.Device`` (None: JAX's default).
     """
 
-    to_torch: bool
+    convert: str | None
     batched: bool
     collate_fn: Callable[[list], Any] | None
     padding: int | str | None
@@ -65,6 +67,7 @@ class OutputSpec:
     declared_ragged: frozenset[str]
     strict: bool
     warn_starved: bool
+    jax_device: Any = None
 
 
 @dataclass(frozen=True)
@@ -121,10 +124,10 @@ def plan(config: LoaderConfig) -> Plan:
         source=source, intake=intake, batch_echo=batch_echo,
         augment=_augment(config, exact) if config.augment is not None else None,
         delivery=DeliverySpec(config.device, config.padding) if exact or config.device is not None else None,
-        output=OutputSpec(config.output == "torch" and config.device is None, config.batched, config.collate_fn,
-                          config.padding if config.device is None else None,
+        output=OutputSpec(config.output if config.output != "numpy" and config.device is None else None,
+                          config.batched, config.collate_fn, config.padding if config.device is None else None,
                           config.timeout, config.ragged or frozenset(), config.augment is None,
-                          config.deterministic_given),
+                          config.deterministic_given, config.jax_device),
         checkpoint=_checkpoint(config),
         batches_per_epoch=lambda: _batches_per_epoch(config, order),
         lockstep=LockstepSpec() if config.echo.auto and config.shard.world_size > 1 else None,

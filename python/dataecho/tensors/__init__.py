@@ -1,7 +1,8 @@
-"""torch tensors, with torch imported on first use: zero-copy conversion,
-dtypes NumPy lacks, jagged nested tensors and page-locked memory.
+"""torch tensors and JAX arrays, each library imported on first use:
+zero-copy conversion, dtypes NumPy lacks, jagged nested tensors, page-locked
+memory, and NumPy arrays handed to JAX (jax_arrays.py).
 
-``import dataecho`` never imports torch; these modules import it when called.
+``import dataecho`` never imports torch or jax; these modules import them when called.
 """
 
 from __future__ import annotations
