@@ -57,19 +57,21 @@ def test_a_loader_yields_every_example_echoed_exactly_every_epoch(echo_factor):
     assert first != second, "each epoch is reshuffled, with its own echo seeds"
 
 
-def test_auto_delivers_every_example_at_least_once_and_at_most_max_echo_times():
-    delivered = Counter(i for item in Loader(echo("auto", max_echo=3.0)) for i in ids(item))
+@pytest.mark.parametrize("batch_size", [None, 16])
+def test_auto_delivers_every_example_at_least_once_and_at_most_max_echo_times(batch_size):
+    # A batch may repeat an example here: once the loop outruns the source,
+    # fewer than a batch of examples may be resident (the buffer's guarantee).
+    delivered = Counter(i for item in Loader(echo("auto", batch_size, max_echo=3.0)) for i in ids(item))
     assert sorted(delivered) == list(range(N))
     assert max(delivered.values()) <= 3
 
 
-@pytest.mark.parametrize("echo_factor", [2, 1.5, "auto"])
+@pytest.mark.parametrize("echo_factor", [1, 2, 3, 1.5])
 def test_native_batches_never_hold_an_example_twice(echo_factor):
     batches = [np.asarray(ids(b)) for b in Loader(echo(echo_factor, batch_size=16))]
     assert all(len(b) == 16 for b in batches[:-1])
     check_no_repeats_in_batches(batches, 16)
-    if echo_factor != "auto":
-        check_exact(counts(batches), range(N), echo_factor)
+    check_exact(counts(batches), range(N), echo_factor)
 
 
 def test_an_example_comes_out_as_the_source_gave_it_and_batches_as_torch_tensors():

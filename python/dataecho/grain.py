@@ -30,10 +30,11 @@ class EchoIterDataset(grain.IterDataset):
     times, reshuffled, as the parent yielded them (so Grain's own ``.batch()``
     composes after it). With ``batch_size`` it yields the batches the buffer
     assembles natively instead (stacked NumPy leaves; no example twice in a
-    batch), which is faster than ``.batch()`` after one-by-one examples. The
-    parent is read in the thread that iterates; with ``"auto"``, on one thread
-    of the iterator's own (whether the loop would wait shows only while
-    reading goes on beside it).
+    batch while a batch of them is resident, which ``"auto"`` may not keep
+    once the loop outruns the parent), faster than ``.batch()`` after
+    one-by-one examples. The parent is read in the thread that iterates; with
+    ``"auto"``, on one thread of the iterator's own (whether the loop would
+    wait shows only while reading goes on beside it).
 
     Its iterator's ``get_state()`` is ``{"parent": ..., "echo": ...}``:
 

@@ -28,11 +28,12 @@ class Echo(BaseNode):
     examples and come out one by one, each ``echo_factor`` times, reshuffled,
     as the source yielded them (so ``Batcher`` composes after it); with
     ``batch_size`` it yields the batches the buffer assembles natively
-    (stacked leaves; no example twice in a batch). ``reset()`` starts the
-    next epoch, with new echo seeds, after ``source.reset()``. The source is
-    read in the thread that calls ``next()``; with ``"auto"``, on one thread
-    of the node's own (whether the loop would wait shows only while reading
-    goes on beside it).
+    (stacked leaves; no example twice in a batch while a batch of them is
+    resident, which ``"auto"`` may not keep once the loop outruns the
+    source). ``reset()`` starts the next epoch, with new echo seeds, after
+    ``source.reset()``. The source is read in the thread that calls
+    ``next()``; with ``"auto"``, on one thread of the node's own (whether the
+    loop would wait shows only while reading goes on beside it).
 
     Its state (``state_dict()``) nests the source's, as torchdata's nodes do:
     ``{"source": ..., "echo": ...}``:
