@@ -262,6 +262,41 @@ class Stream:
         return f"Stream({self.n}, form={self.form!r})"
 
 
+class RestartableStream:
+    """An iterable of examples 0..n-1 that can restart part-way
+    (dataecho.reading.restart): the state of one of its iterators is the id of
+    its next example. It counts the examples it makes (``made``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.made = n, 0
+
+    def __iter__(self) -> Iterable[Any]:
+        return self.iter_from(0)
+
+    def iter_from(self, state: int) -> Any:
+        return _Counted(self, state)
+
+    def state_of(self, iterator: Any) -> int:
+        return iterator.next_id
+
+
+class _Counted:
+    """A RestartableStream's iterator."""
+
+    def __init__(self, stream: RestartableStream, next_id: int) -> None:
+        self.stream, self.next_id = stream, next_id
+
+    def __iter__(self) -> _Counted:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self.next_id >= self.stream.n:
+            raise StopIteration
+        self.stream.made += 1
+        self.next_id += 1
+        return one(self.next_id - 1)
+
+
 def with_pid(example: dict[str, Any]) -> dict[str, Any]:
     """A transform that adds a Python number: the pid of the process that ran it."""
     return {**example, "pid": os.getpid()}
@@ -396,6 +431,14 @@ def check_buffer_totals(buf: dataecho.ShuffleBuffer, accepted: int, delivered: C
     assert stats["fresh"] == accepted, (stats["fresh"], accepted)
     assert stats["delivered"] == sum(delivered.values()), (stats["delivered"], sum(delivered.values()))
     assert free_slots(buf) == buf.capacity, (free_slots(buf), buf.capacity)
+
+
+def check_no_repeats_in_batches(batches: list[np.ndarray], batch_size: int) -> None:
+    """No batch of ids holds one twice while at least ``batch_size`` examples
+    are left to deliver (resident): only at the stream's end may one repeat."""
+    for i, batch in enumerate(batches):
+        if len(set(np.concatenate(batches[i:]).tolist())) >= batch_size:
+            assert len(np.unique(batch)) == len(batch), f"an example twice in batch {i} of {len(batches)}: {batch}"
 
 
 def counts(batches: Iterable[np.ndarray]) -> Counter:

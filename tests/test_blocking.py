@@ -229,6 +229,30 @@ def test_forked_child_gets_a_clear_error_and_exits():
     assert result.stdout.split() == ["child", "0", "parent", "8"], result.stderr
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_interpreter_exits_with_an_epoch_left_part_way(num_workers):
+    # One epoch held by a global, one by a cycle that only the last collection,
+    # after the modules are torn down, finds: neither may wait on native calls then.
+    code = f"""
+        import dataecho
+        class Stream:
+            def __iter__(self):
+                return iter(range(1000))
+        epochs = []
+        for _ in range(2):
+            loader = dataecho.EchoLoader(Stream(), batch_size=4, shuffle_buffer=32, num_workers={num_workers})
+            epochs.append(iter(loader))
+            for _ in range(5):
+                next(epochs[-1])
+        cycle = [epochs.pop()]
+        cycle.append(cycle)
+        print("exiting", flush=True)
+    """
+    result = run_python(code, timeout=20)
+    assert result.returncode == 0 and result.stdout.split() == ["exiting"], result.stderr
+    assert "Exception ignored" not in result.stderr, result.stderr
+
+
 def test_interpreter_exits_with_producers_blocked():
     code = """
         import threading, numpy as np, dataecho

@@ -11,7 +11,8 @@ import threading
 
 import numpy as np
 import pytest
-from support import FIRST, Records
+from support import FIRST, Records, RestartableStream
+from support import Stream as RecordStream
 
 import dataecho
 
@@ -260,6 +261,65 @@ def test_an_iterable_resumes_every_example_not_yet_delivered(num_workers, cut):
     rest = np.concatenate(list(resumed)).tolist()
     assert sorted(seen + rest) == [2 * i for i in range(500)], "every example delivered once, across the two"
     assert rest == np.concatenate(list(loader_over(Stream(), seed=state["config"]["seed"]))).tolist()[10 * cut:]
+
+
+def identity(example):
+    return example
+
+
+@pytest.mark.parametrize("num_workers, transform", [(0, None), (1, None), (3, identity)])
+@pytest.mark.parametrize("cut", [1, 40, 150])
+def test_a_restartable_iterable_resumes_from_its_saved_state_not_from_its_start(num_workers, transform, cut):
+    # An iterable that can say where its iteration stands and restart there
+    # (dataecho.reading.restart): the state keeps its state before the earliest
+    # example the state names, and a resume reads it from there on.
+    n = 2000
+
+    def loader_over(stream):
+        return dataecho.EchoLoader(stream, batch_size=10, echo_factor=2, shuffle_buffer=50, num_workers=num_workers,
+                                   transform=transform, seed=3)
+
+    whole = run(loader_over(RestartableStream(n)), epochs=1)
+    taken, state = take_then_save(loader_over(RestartableStream(n)), cut)
+    intake = state["stages"]["intake"]
+    restart = intake["restart"]
+    assert restart["state"] == restart["position"], "the stream's own state there: the id it yields next"
+    assert restart["position"] <= min(intake["positions"].tolist() + [intake["next_seq"]])
+    stream = RestartableStream(n)
+    resumed = loader_over(stream)
+    resumed.load_state_dict(state)
+    assert taken + run(resumed, epochs=1) == whole
+    assert stream.made == n - restart["position"], "read again from the restart point, not from the start"
+
+
+def test_a_restartable_iterable_read_in_no_fixed_order_restarts_where_it_was_read():
+    n = 2000
+    loader = dataecho.EchoLoader(RestartableStream(n), batch_size=10, echo_factor="auto", shuffle_buffer=50, seed=3)
+    _, state = take_then_save(loader, 30)
+    skip, restart = state["stages"]["intake"]["skip"], state["stages"]["intake"]["restart"]["position"]
+    assert restart <= skip
+    stream = RestartableStream(n)
+    resumed = dataecho.EchoLoader(stream, batch_size=10, echo_factor="auto", shuffle_buffer=50, seed=3)
+    with pytest.warns(UserWarning, match=f"skips the {skip} examples"):
+        resumed.load_state_dict(state)
+    assert sorted(set(i for batch in run(resumed, epochs=1) for i in batch)) == list(range(skip, n))
+    assert stream.made == n - restart
+
+
+@pytest.mark.parametrize("source", [RecordStream, RestartableStream])
+def test_a_state_taken_as_an_iterable_epoch_ends_resumes_its_last_batches(source):
+    # Once the buffer's assembler has made the last batches, its own state no
+    # longer says how far the iterable was read: the batches still queued do.
+    def loader_over():
+        return dataecho.EchoLoader(source(100), batch_size=4, echo_factor=2, shuffle_buffer=16, seed=0)
+
+    whole = run(loader_over(), epochs=1)
+    for trial in range(6):  # whether the assembler has exited yet is timing
+        for cut in (len(whole) - 2, len(whole) - 1):
+            taken, state = take_then_save(loader_over(), cut)
+            resumed = loader_over()
+            resumed.load_state_dict(state)
+            assert taken + run(resumed, epochs=1) == whole, (trial, cut)
 
 
 def test_bad_states_are_refused():

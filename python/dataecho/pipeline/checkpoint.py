@@ -23,6 +23,13 @@ A state is a dict of ints, bools, dicts and NumPy arrays (picklable;
              dataecho.pipeline.batches), batch_echo, augment, delivery. An
              iterable source read by threads saves ``{"intake": {"skip": n}}`` alone.
 
+An iterable that can restart part-way (dataecho.reading.restart) also saves,
+under ``stages["intake"]["restart"]``, ``{"position": p, "state": s}``: its own
+state ``s`` before position ``p`` of the epoch's iteration, where ``p`` is at or
+before the earliest position the state names (``next_seq``, or ``skip``, where
+it names none). A resume restarts it there and reads from ``p`` on, instead of
+from its start; ``s`` is whatever the iterable's ``state_of`` returned.
+
 A batch is named by ``{"rows": positions}``, and after augment also by
 ``"deliveries"`` (each row's delivery number, the key of its generator). A
 stage restores its own batches that were on their way downstream when the
@@ -31,7 +38,9 @@ state was taken, and yields them first.
 Size: about 20 bytes per resident example (at most ``shuffle_buffer``), 8 or 16
 per row of each batch in flight, and a few hundred more. On resume, resident
 examples and the rows of queued batches are read (and transformed, and
-augmented) again.
+augmented) again; an iterable's examples are named by their position in its
+iteration, which is then read again up to ``next_seq`` (from ``restart``'s
+position where there is one).
 """
 
 from __future__ import annotations
@@ -42,8 +51,8 @@ import numpy as np
 
 from ..examples.described import described
 
-__all__ = ["FORMAT", "StateCheck", "array_at", "at", "batches_at", "bool_at", "check_state", "compact", "dict_at",
-           "ids_of", "int_at", "mapping", "named_rows"]
+__all__ = ["FORMAT", "Iterated", "StateCheck", "array_at", "at", "batches_at", "bool_at", "check_state", "compact",
+           "dict_at", "earliest", "ids_of", "int_at", "mapping", "named_rows", "prune", "with_restart"]
 
 FORMAT = "dataecho.EchoLoader/4"
 
@@ -92,20 +101,46 @@ def check_state(state: Any, fingerprint: dict[str, Any], checks: dict[str, State
         return out
     if not isinstance(stages, dict):
         raise ValueError("state['stages']: expected a dict or None")
-    if mode == "skip":
-        out["stages"] = {"intake": {"skip": int_at(dict_at(stages, "intake", "state['stages']"), "skip",
-                                                    at("intake"))}}
-        return out
     intake = dict_at(stages, "intake", "state['stages']")
-    saved = array_at(intake, "order", np.int64, at("intake")) if "order" in intake else None
-    order = order_of(epoch, saved)
-    if order is None:  # an iterable: its examples are named by position, up to where intake had read
-        order = np.arange(int_at(intake, "next_seq", at("intake")))
-    if set(stages) != set(checks):
-        raise ValueError(f"state['stages']: expected the stages {list(checks)}, got {sorted(stages)}")
-    out["stages"] = {name: check(dict_at(stages, name, "state['stages']"), order, at(name))
-                     for name, check in checks.items()}
+    if mode == "skip":
+        out["stages"] = {"intake": {"skip": int_at(intake, "skip", at("intake"))}}
+    else:
+        saved = array_at(intake, "order", np.int64, at("intake")) if "order" in intake else None
+        order = order_of(epoch, saved)
+        if order is None:  # an iterable: its examples are named by position, up to where intake had read
+            order = Iterated(int_at(intake, "next_seq", at("intake")))
+        if set(stages) != set(checks):
+            raise ValueError(f"state['stages']: expected the stages {list(checks)}, got {sorted(stages)}")
+        out["stages"] = {name: check(dict_at(stages, name, "state['stages']"), order, at(name))
+                         for name, check in checks.items()}
+    if "restart" in intake:
+        out["stages"]["intake"]["restart"] = _restart(intake["restart"], earliest(out["stages"]))
     return out
+
+
+def _restart(restart: Any, most: int) -> dict[str, Any]:
+    """A restartable iterable's saved state (see the module docstring), at a
+    position no later than ``most``, the earliest the checked state names."""
+    where = f"{at('intake')}['restart']"
+    restart = mapping(restart, where)
+    if "state" not in restart:
+        raise ValueError(f"{where}: expected the iterable's state under 'state'")
+    return {"position": int_at(restart, "position", where, at_most=most), "state": restart["state"]}
+
+
+class Iterated:
+    """An iterable's order up to where its intake had read (``length``
+    positions): each example's index is its position. No array of them is
+    made, so that a state of a long stream costs what its named rows cost."""
+
+    def __init__(self, length: int) -> None:
+        self._length = length
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, positions: Any) -> np.ndarray:
+        return np.asarray(positions)
 
 
 def _check_fingerprint(saved: dict, fingerprint: dict[str, Any]) -> None:
@@ -126,20 +161,60 @@ def named_rows(stages: dict[str, Any]) -> set[int]:
     """Every position a (checked) state names: resident examples and the rows
     of batches on their way, in any stage: what a resumed epoch reads again."""
     found: set[int] = set()
-
-    def visit(value: Any) -> None:
-        if isinstance(value, dict):
-            for key, item in value.items():
-                if key in ("rows", "positions") and isinstance(item, np.ndarray):
-                    found.update(item.tolist())
-                else:
-                    visit(item)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                visit(item)
-
-    visit(stages)
+    for rows in _named(stages):
+        found.update(rows.tolist())
     return found
+
+
+def earliest(stages: dict[str, Any]) -> int:
+    """The earliest position of an iterable's iteration that a state (taken,
+    or checked) needs read again: the first it names, else where reading stood
+    (the intake's ``next_seq``, or ``skip``)."""
+    intake = stages["intake"]
+    first = int(intake["skip"] if "skip" in intake else intake["next_seq"])
+    for rows in _named(stages):
+        if len(rows):
+            first = min(first, int(rows.min()))
+    return first
+
+
+def with_restart(stages: dict[str, Any] | None, marks: Any) -> dict[str, Any] | None:
+    """An epoch's state (``{stage name: state}``, or None) with, under the
+    intake's, where its iterable can restart (see the module docstring), given
+    the epoch's ``Marks`` (dataecho.reading.restart), or None."""
+    mark = marks.at_or_before(earliest(stages)) if stages is not None and marks is not None else None
+    if mark is not None:
+        stages["intake"]["restart"] = {"position": mark.position, "state": mark.state}
+    return stages
+
+
+def prune(marks: Any, state: Callable[[], dict[str, Any]]) -> None:
+    """Drops the ``Marks`` (or None) that no state can need any more, once they
+    are many: those before the earliest position ``state()`` (the epoch's state
+    now) names; the latest at or before it stays."""
+    if marks is not None and marks.crowded:
+        marks.forget_before(earliest(state()))
+
+
+def _named(value: Any) -> Any:
+    """The arrays of positions a state names (its ``rows`` and ``positions``), wherever they are."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key in ("rows", "positions") and isinstance(item, np.ndarray):
+                yield item
+            elif key != "restart":  # the iterable's own state, opaque
+                yield from _named(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _named(item)
+
+
+def ended_intake(next_seq: int, queued: list) -> dict[str, Any]:
+    """The state of an intake resumed after its end: nothing resident, every
+    position up to ``next_seq`` read, ``queued`` batches still to replay."""
+    empty = np.zeros(0, dtype=np.uint64)
+    return {"batches": 0, "rng_state": 0, "next_seq": next_seq, "available": 0, "positions": empty,
+            "indices": empty.astype(np.int64), "echoes": empty.astype(np.uint32), "queued": queued, "ended": True}
 
 
 def compact(indices: Any) -> np.ndarray:

@@ -10,7 +10,10 @@ itself. Either way no user code runs in ``iter(loader)``'s thread, and an error
 in the first reads, or a timeout, comes from ``next()``, as with DataLoader.
 The epoch then pulls batches from the last stage, timing the waits. It stops and joins the stages, last to
 first, at the end, on an error, on ``close()``, or when it is dropped (a loop
-left early). Its state for a checkpoint is ``{stage name: stage.state()}``.
+left early). Its state for a checkpoint is ``{stage name: stage.state()}``,
+and for an iterable that can restart, where to restart it
+(dataecho.reading.restart): the epoch is what sees every stage's names, so it
+adds that to the intake's state, and drops the marks that no state needs.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import warnings
 from typing import Any, Callable
 
 from ..examples.structure import Structure
+from ..reading.restart import Mark
 from ..reading.source import SAMPLE, EpochSource
+from . import checkpoint
 from .chain import JOIN_TIMEOUT_S, Chain, build_chain
 from .intake import start_probe
 from .output import output_of
@@ -36,6 +41,14 @@ LEAVE_WAIT_S = 2.0  # how long a dropped epoch waits for a stage thread's pull t
 _STARVED = ("EchoLoader: the memory budget for ragged values ran out this epoch (producers waited for it), so some "
             "batches were drawn from fewer examples than planned and their order depended on timing, despite "
             "deterministic=True; raise ragged_bytes")
+
+
+def _source_of(plan: Plan, epoch: int, resume: dict[str, Any] | None, pool: Any, memory: Any) -> EpochSource:
+    """The epoch's view of the source, from where a resumed state's intake says it stood."""
+    saved = (resume or {}).get("intake", {})
+    skip = saved.get("skip", 0) if plan.source.order is None else 0
+    restart = Mark(**saved["restart"]) if "restart" in saved else None
+    return EpochSource(plan.source, epoch, skip, pool, memory, saved.get("order"), saved.get("bounds"), restart)
 
 
 def _probe_size(plan: Plan) -> int:
@@ -87,9 +100,7 @@ class Epoch:
         self._probing: Any = None  # workers reading the first examples before the chain exists
         self._built = False  # the chain exists (built at once, or by the first next() once the structure is known)
         self._plan, self._resume, self._on_structure = plan, resume, on_structure
-        saved = (resume or {}).get("intake", {})
-        skip = saved.get("skip", 0) if plan.source.order is None else 0
-        self._source = EpochSource(plan.source, epoch, skip, pool, memory, saved.get("order"), saved.get("bounds"))
+        self._source = _source_of(plan, epoch, resume, pool, memory)
         self.structure = structure
         try:
             if (structure is not None or plan.reads_batches) and resume is None:
@@ -190,6 +201,7 @@ class Epoch:
             self._wait_s += time.perf_counter() - start
         self._batches += 1
         self._delivered += len(batch)
+        checkpoint.prune(self._source.marks, self._chain.state)
         return output_of(self._spec, batch)
 
     def _next_batch(self) -> Batch:
@@ -219,7 +231,7 @@ class Epoch:
         """
         if not self._built and self._resume is not None:
             return self._resume  # resumed, no batch taken yet: where the loaded state stood
-        return self._chain.state(lock_timeout_s)
+        return checkpoint.with_restart(self._chain.state(lock_timeout_s), self._source.marks)
 
     def counters(self) -> dict[str, Any]:
         """This epoch's counters (see dataecho.pipeline.stats), from every stage."""
@@ -280,16 +292,16 @@ class Epoch:
             self._probing.join(JOIN_TIMEOUT_S if wait else 0.0)
         self._on_finish(self.counters(), self.worker_counters(), self._left)
 
-    def __del__(self) -> None:
-        # The last reference went (the loop left, the loader was deleted): stop
-        # every stage, keeping the epoch's position first where it can be saved
-        # (for state_dict(), as StatefulDataLoader after a `break`), waiting a
-        # bounded time for a stage thread's pull. Threads are not waited for
-        # (one may be in user code); worker processes are reaped.
-        if getattr(self, "_closed", True):
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        # The last reference went (the loop left, the loader was deleted): stop every stage,
+        # keeping the epoch's position first where it can be saved (for state_dict(), as
+        # StatefulDataLoader after a `break`), waiting a bounded time for a stage thread's pull;
+        # threads are not waited for (one may be in user code), worker processes are reaped.
+        # Not at interpreter exit (`_finalizing` bound early: globals may be gone): atexit stopped
+        # the buffers and no stage thread runs any more: nothing to save or wait for.
+        if getattr(self, "_closed", True) or _finalizing():
             return
-        # At interpreter exit no stage thread runs any more: nothing to wait for.
-        if self._batches > 0 and self._chain.resumable and not sys.is_finalizing():
+        if self._batches > 0 and self._chain.resumable:
             try:
                 self._left = self.state(LEAVE_WAIT_S)
             except Exception:  # noqa: BLE001 - no state then: a later state_dict() gives the next epoch's start

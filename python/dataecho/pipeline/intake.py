@@ -13,7 +13,9 @@ echo count (``positions``, ``indices``, ``echoes``), in reservoir order;
 restored and not yet yielded); ``ended``. An iterable source read by threads:
 ``skip``, the examples taken from the iterator; on resume the source is
 iterated again from its start and these are dropped (resident examples are not
-restored).
+restored). An iterable that can restart (dataecho.reading.restart) restarts
+instead from its state saved beside either (``restart``; the epoch adds it:
+dataecho.pipeline.checkpoint).
 """
 
 from __future__ import annotations
@@ -300,16 +302,13 @@ class IntakeStage:
             return {"skip": self._skipped + self.counters()["fresh"]}
         replayed = list(self._replay)
         if self._buffer is None:  # resumed after the end: nothing resident, every position read
-            empty = np.zeros(0, dtype=np.uint64)
-            return {"batches": 0, "rng_state": 0, "next_seq": self._read_at_end, "available": 0,
-                    "positions": empty, "indices": empty.astype(np.int64), "echoes": empty.astype(np.uint32),
-                    "queued": replayed, "ended": True}
+            return checkpoint.ended_intake(self._read_at_end, replayed)
         snap = self._buffer.snapshot(timeout_s)
         state = {key: int(getattr(snap, key)) for key in _SNAPSHOT_KEYS}
         state["ragged_bytes"] = self._buffer.stats()["pages"] * self._buffer.page_bytes
         positions = snap.seqs
         # An iterable's examples are named by their position in the iteration alone.
-        order = self._source.order if self._map_style else np.arange(int(snap.next_seq))
+        order = self._source.order if self._map_style else checkpoint.Iterated(int(snap.next_seq))
         if self._source.sampled:  # a sampler may not give this order again: it is saved
             state["order"] = checkpoint.compact(order if isinstance(order, np.ndarray) else order.read)
         state.update(
@@ -319,6 +318,10 @@ class IntakeStage:
             queued=replayed + [{"rows": rows} for rows in snap.queued],
             ended=bool(snap.ended),
         )
+        if snap.ended and not self._map_style:
+            # The assembler has exited, and its snapshot no longer says how far an
+            # iterable was read; a resume reads no further than the queued rows.
+            state["next_seq"] = max((int(b["rows"].max()) + 1 for b in state["queued"] if len(b["rows"])), default=0)
         return state
 
     def counters(self) -> dict[str, Any]:

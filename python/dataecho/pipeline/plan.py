@@ -28,6 +28,7 @@ from ..config.loader_config import DEFAULT_EXAMPLES, LoaderConfig
 from ..native.sizing import reorder_window
 from ..reading.chunking import CHUNK
 from ..reading.order import OrderSpec
+from ..reading.restart import is_restartable
 from ..reading.source import SourceSpec
 from ..workers.spec import WorkersSpec
 from .augment import AugmentSpec
@@ -117,7 +118,8 @@ def plan(config: LoaderConfig) -> Plan:
     order = OrderSpec(config.dataset, config.sampler, config.shard, config.shuffle, config.seed,
                       config.drop_last, config.batch_sampler) if config.map_style else None
     source = SourceSpec(config.dataset, config.transform, order, config.seed, config.shard.rank,
-                        for_processes=config.worker_type == "process", chunk=min(CHUNK, config.batch_size))
+                        for_processes=config.worker_type == "process", chunk=min(CHUNK, config.batch_size),
+                        marks=_marks(config))
     batch_echo = _batch_echo(config, exact) if config.echo.at == "batch" and not config.in_order else None
     intake = _batches(config, source) if config.batch_sampler is not None else _intake(config, source, exact)
     return Plan(
@@ -138,6 +140,18 @@ def _checkpoint(config: LoaderConfig) -> str | None:
     if config.exact_checkpoint:
         return "exact"
     return None if config.map_style or config.worker_type == "process" else "skip"
+
+
+def _marks(config: LoaderConfig) -> bool:
+    """Whether the epochs mark where a restartable iterable stood as they read it
+    (dataecho.reading.restart): wherever a state mid-epoch can be taken, so
+    that it names where the iterable can restart. An exact state needs every
+    stage's, which an ``augment`` without ``rng`` refuses; a skip-ahead count
+    is the intake's alone."""
+    mode = _checkpoint(config)
+    if config.map_style or mode is None or not is_restartable(config.dataset):
+        return False
+    return mode == "skip" or config.augment is None or config.augment_takes_rng
 
 
 def _workers(config: LoaderConfig) -> WorkersSpec:

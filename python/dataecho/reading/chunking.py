@@ -49,11 +49,13 @@ def claimed(claim_range: Any, chunk: int | Callable[[], int], reader: Any, colum
             return
 
 
-def chunked(iterator: Iterator[Any], first_seq: int = 0, blocks: bool = False) -> Iterator[tuple[int, list | RowBlock]]:
+def chunked(iterator: Iterator[Any], first_seq: int = 0, blocks: bool = False,
+            before: Callable[[int], None] | None = None) -> Iterator[tuple[int, list | RowBlock]]:
     """An iterable source's examples in chunks: (number of the first, up to
     CHUNK examples read within SLICE_S), numbered from ``first_seq``; with
     ``blocks`` (a put without transform), from an iterator that hands them out
-    in blocks (dataecho.reading.ray), a block each."""
+    in blocks (dataecho.reading.ray), a block each. ``before(seq)`` is called
+    before each chunk is read (dataecho.reading.restart marks the iteration)."""
     seq = first_seq
     if blocks and isinstance(iterator, RowIterator):
         for block in iterator.blocks():
@@ -61,6 +63,8 @@ def chunked(iterator: Iterator[Any], first_seq: int = 0, blocks: bool = False) -
             seq += len(block)
         return
     while True:
+        if before is not None:
+            before(seq)
         examples, started = [], time.perf_counter()
         for example in iterator:
             examples.append(example)

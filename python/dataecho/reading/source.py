@@ -4,7 +4,9 @@ shard of a seeded permutation) or an iterator over an iterable one, with
 
 Positions in the order are also the examples' sequence numbers: a checkpoint
 names an example by its position, and :meth:`EpochSource.read_rows` reads any
-of them again.
+of them again. An iterable's examples are named by their position in its
+iteration; one that can restart part-way (dataecho.reading.restart) is marked
+as it is read, so that a resume reads it again from near where the state stood.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import numpy as np
 from ..errors import stop_iteration_error
 from ..examples.leaves import stack
 from ..examples.structure import Structure
-from .chunking import CHUNK
+from .chunking import CHUNK, chunked
 from .order import OrderSpec
 from .readers import map_reader
+from .restart import Mark, Marks
 from .sampled import LazyOrder
 
 __all__ = ["SAMPLE", "EpochSource", "SourceSpec", "is_map_style"]
@@ -58,6 +61,8 @@ class SourceSpec:
         rank: this process's rank (seeds differ per rank).
         for_processes: worker processes read it: the dataset is pickled for them.
         chunk: positions of a map-style order a worker claims at a time.
+        marks: a restartable iterable (dataecho.reading.restart) whose states
+            a checkpoint can use: its iteration is marked as it is read.
     """
 
     dataset: Any
@@ -67,6 +72,7 @@ class SourceSpec:
     rank: int
     for_processes: bool
     chunk: int = CHUNK
+    marks: bool = False
 
 
 class EpochSource:
@@ -78,6 +84,9 @@ class EpochSource:
         skip: iterable sources: examples to read and drop first (a resume).
         saved_order, saved_bounds: a sampler's order (and a batch sampler's
             bounds) as a state saved them (a resume), or None.
+        restart: a restartable iterable's state at a position at or before
+            where reading resumes (a resume), or None: it is restarted there
+            rather than iterated from its start.
 
     Attributes:
         order: map-style: the dataset index at each position this rank reads;
@@ -93,11 +102,13 @@ class EpochSource:
         iterator: iterable sources: the iterator, made by whoever first asks for
             it (a reading thread: ``__iter__`` is user code, and the training
             loop's thread does not run it when workers read).
+        marks: where a restartable iterable stood before the chunks read
+            (positions in the epoch's iteration), or None.
     """
 
     def __init__(self, spec: SourceSpec, epoch: int, skip: int = 0, pool: Any = None,
                  memory: Any = None, saved_order: np.ndarray | None = None,
-                 saved_bounds: np.ndarray | None = None) -> None:
+                 saved_bounds: np.ndarray | None = None, restart: Mark | None = None) -> None:
         self.spec = spec
         self.epoch = epoch
         self.pool, self.memory = pool, memory
@@ -106,6 +117,9 @@ class EpochSource:
         self.bounds: np.ndarray | None = None
         self.reader: Any = None
         self._skip = skip
+        self.marks = Marks() if spec.marks and spec.order is None else None
+        # A state's restart serves only an iterable that can restart (else it is read from its start).
+        self._restart = restart if self.marks is not None else None
         self._order_saved = saved_order is not None
         self._iterator: Iterator[Any] | None = None
         self._iterator_lock = threading.Lock()
@@ -124,10 +138,43 @@ class EpochSource:
     @property
     def iterator(self) -> Iterator[Any]:
         with self._iterator_lock:
-            if self._iterator is None:
+            if self._iterator is None and self.marks is not None:
+                self._iterator = self._begin()
+            elif self._iterator is None:
                 iterator = iter(self.spec.dataset)
                 self._iterator = itertools.islice(iterator, self._skip, None) if self._skip else iterator
             return self._iterator
+
+    def _begin(self) -> Iterator[Any]:
+        """A restartable iterable's iterator, at position :attr:`start`: restarted
+        from the saved state, the examples up to ``skip`` dropped now (so that
+        its state is that of its next position), and marked there."""
+        dataset, restart = self.spec.dataset, self._restart
+        iterator = iter(dataset) if restart is None else dataset.iter_from(restart.state)
+        ahead = self.start - (0 if restart is None else restart.position)
+        next(itertools.islice(iterator, ahead, ahead), None)  # drops `ahead` examples
+        self.marks.add(self.start, dataset.state_of(iterator))
+        return iterator
+
+    @property
+    def start(self) -> int:
+        """An iterable's position of its iterator's first example: 0, or on
+        resume where it skips to or restarts from."""
+        return max(self._skip, self._restart.position if self._restart else 0)
+
+    def chunks(self, first_seq: int, blocks: bool) -> Iterator[tuple[int, Any]]:
+        """The iterator's examples in chunks numbered from ``first_seq``
+        (dataecho.reading.chunking.chunked), each marked before it is read
+        where the iterable is restartable."""
+        iterator, marks = self.iterator, self.marks
+        if marks is None:
+            return chunked(iterator, first_seq, blocks=blocks)
+        state_of, offset = self.spec.dataset.state_of, self._skip  # seqs count from the skip
+
+        def mark(seq: int) -> None:
+            marks.add(offset + seq, state_of(iterator))
+
+        return chunked(iterator, first_seq, blocks=blocks, before=mark)
 
     def __len__(self) -> int:
         """Positions in this epoch's order (map-style sources; of a sampler
@@ -158,16 +205,17 @@ class EpochSource:
         return min(count, len(self))
 
     def keep(self, positions: set[int], count: int) -> None:
-        """An iterable source resumed: reads its first ``count`` examples again,
-        keeping those at ``positions`` (the examples a checkpoint names: resident
-        or in batches on their way), so that ``read`` gives them; reading then
-        goes on from position ``count``.
+        """An iterable source resumed: reads its examples up to position ``count``
+        again (from :attr:`start`: its first, or where it restarts), keeping those
+        at ``positions`` (the examples a checkpoint names: resident or in batches
+        on their way), so that ``read`` gives them; reading then goes on from
+        position ``count``.
 
         Raises:
             ValueError: the source now has fewer than ``count`` examples.
         """
         iterator, kept = self.iterator, {}
-        for position in range(count):
+        for position in range(self.start, count):
             example = next(iterator, _END)
             if example is _END:
                 raise ValueError(f"load_state_dict: the source ended after {position} examples, but the state was "

@@ -17,7 +17,7 @@ from typing import Iterator
 from ..examples.columns import Columns
 from ..examples.structure import Structure
 from ..native.buffer import NativeBuffer
-from ..reading.chunking import Chunk, chunked, claimed
+from ..reading.chunking import Chunk, claimed
 from ..reading.source import EpochSource
 
 __all__ = ["INLINE_WAIT_S", "InlineReader"]
@@ -82,7 +82,7 @@ class InlineReader:
         if ready:
             yield first_seq, len(ready), columns.of(ready)
         transform = source.transform
-        for seq, examples in chunked(source.iterator, first_seq + len(ready), blocks=transform is None):
+        for seq, examples in source.chunks(first_seq + len(ready), blocks=transform is None):
             yield seq, len(examples), columns.of(examples if transform is None else
                                                  [source.transformed(e) for e in examples])
 

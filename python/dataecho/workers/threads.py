@@ -20,7 +20,7 @@ from ..errors import BufferClosed
 from ..examples.columns import Columns
 from ..examples.structure import Structure
 from ..native.buffer import NativeBuffer
-from ..reading.chunking import chunked, claimed
+from ..reading.chunking import claimed
 from ..reading.source import EpochSource
 from .failure import Failure
 from .growth import AUTO_THREADS, Growth
@@ -119,7 +119,7 @@ class Producers:
 
     def start_iterable(self, first_seq: int = 0, ready: list | None = None) -> None:
         """Reads the source's iterator (made in the reading thread) on one thread,
-        in chunks (dataecho.reading.chunking.chunked); transforms on ``workers``
+        in chunks (EpochSource.chunks); transforms on ``workers``
         threads. Examples are numbered in reading order from ``first_seq``,
         ``ready`` ones (read and transformed) first."""
         if self.probe is None:
@@ -290,7 +290,7 @@ def _numbered(source: EpochSource, first_seq: int, ready: list, blocks: bool) ->
     iterator's, numbered on from ``first_seq``."""
     if ready:
         yield first_seq, ready, True
-    for seq, examples in chunked(source.iterator, first_seq + len(ready), blocks=blocks):
+    for seq, examples in source.chunks(first_seq + len(ready), blocks=blocks):
         yield seq, examples, False
 
 
