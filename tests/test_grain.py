@@ -163,6 +163,12 @@ def test_auto_resumes_from_where_the_parent_had_been_read():
 
 
 def mp_prefetch(ds: grain.IterDataset) -> grain.IterDataset:
+    # With JAX installed, Grain's worker processes read an absl flag, which
+    # raises before the flags are parsed: a program without absl.app parses
+    # them itself.
+    from absl import flags
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
     return ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=2))
 
 

@@ -195,7 +195,7 @@ def test_bad_arguments_and_states_are_named():
     with pytest.raises(ValueError, match="echo_factor"):
         Echo(source(), echo_factor=0.5)
     with pytest.raises(ValueError, match="output"):
-        Echo(source(), output="jax")
+        Echo(source(), output="arrow")
     node = echo(2)
     with pytest.raises(ValueError, match="initial_state: expected a dict with 'source' and 'echo'"):
         node.reset({"_num_yielded": 3})

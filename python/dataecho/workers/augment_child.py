@@ -35,7 +35,7 @@ from .. import _core
 from ..examples.fields import field_value
 from ..examples.objects import LeafMap
 from ..examples.structure import Structure
-from .augmenting import augmented
+from .augmenting import augmented, unpacked
 from .delivery_rng import DeliveryRng
 from .life import guard, report, send
 from .staging import BlockViews
@@ -107,7 +107,7 @@ class _Worker:
             return True
         _, task_id, deliveries, leaves, send_back = message
         arrays = tuple(self._views.leaf(leaf) for leaf in leaves)
-        results = list(augmented(self._spec.augment, self._spec.structure, arrays, deliveries, self._rng))
+        results = list(augmented(self._spec.augment, self._spec.structure, arrays, unpacked(deliveries), self._rng))
         if send_back or self._producer is None:
             send(self._conn, ("results", self._spec.worker_id, task_id, results))
             return True

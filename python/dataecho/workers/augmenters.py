@@ -22,14 +22,16 @@ its staging blocks. Messages of an epoch carry its number, so that a late
 from __future__ import annotations
 
 import multiprocessing
+import pickle
+import selectors
 import signal
 import threading
 import time
-from multiprocessing.connection import wait
 from typing import Any, Callable
 
 from ..errors import BufferClosed
 from . import augment_child
+from .augmenting import packed
 from .failure import Failure
 from .pool import close_workers
 from .processes import RemoteTraceback
@@ -98,8 +100,6 @@ class AugmentProcesses:
         self._attached: set[int] = set()
         self._lost = False  # a worker died after the epoch was stopped
 
-    # ---- the training process's side ----
-
     def submit(self, task_id: int, deliveries: Any, leaves: list, send_back: bool = False) -> None:
         """Hands a task to the least busy worker, waiting while all have theirs in flight.
 
@@ -112,7 +112,8 @@ class AugmentProcesses:
             self._raise_if_over()
             worker = min(range(len(self._load)), key=lambda w: self._load[w])
             self._load[worker] += 1
-        self._send(worker, ("task", task_id, deliveries, leaves, send_back))
+        # pickle's own: multiprocessing's pickler (for handles; a task has none) costs tens of us more
+        self._send(worker, pickle.dumps(("task", task_id, packed(deliveries), leaves, send_back), -1))
 
     def results(self, task_id: int) -> list:
         """Waits for the results a task sent back: [(delivery, result), ...].
@@ -153,11 +154,14 @@ class AugmentProcesses:
     def _settled(self) -> bool:
         return not any(self._load) or self._failure.error is not None or self._lost
 
-    def _send(self, worker: int, message: tuple) -> None:
-        """Sends ``message`` to a worker; if it is gone, waits for the monitor
-        to say why (its exit is the epoch's error) and raises BufferClosed."""
+    def _send(self, worker: int, message: tuple | bytes) -> None:
+        """Sends ``message`` (bytes: pickled already) to a worker; if it is gone, waits
+        for the monitor to say why (its exit is the epoch's error) and raises BufferClosed."""
         try:
-            self._tasks[worker].send(message)
+            if isinstance(message, bytes):
+                self._tasks[worker].send_bytes(message)
+            else:
+                self._tasks[worker].send(message)
         except OSError:
             with self._cond:
                 self._cond.wait_for(lambda: self._failure.error is not None, _VERDICT_S)
@@ -175,8 +179,6 @@ class AugmentProcesses:
     def _raise_if_over(self) -> None:
         if self._over():
             raise BufferClosed("the epoch was stopped")
-
-    # ---- lifecycle ----
 
     def stop(self) -> None:
         """Stops the epoch's waits (the workers finish their tasks)."""
@@ -218,21 +220,20 @@ class AugmentProcesses:
         if monitor is not None and monitor is not threading.current_thread():
             monitor.join(1.0)
 
-    # ---- the monitor ----
-
     def _watch(self) -> None:
         pipes = {pipe: i for i, pipe in enumerate(self._pipes)}
         sentinels = {p.sentinel: i for i, p in enumerate(self._processes)}
-        while not self._stop.is_set() or any(self._load):
-            if self._failure.error is not None:
-                return
-            for obj in wait(list(pipes) + list(sentinels), timeout=_POLL_S):
-                if obj in pipes:
-                    self._receive(obj, pipes)
-                elif obj in sentinels:
-                    self._exited(sentinels.pop(obj), pipes)
-            if not sentinels:  # every worker has exited, and was told of
-                return
+        with selectors.DefaultSelector() as selector:  # registered once: wait() would build one per call
+            for obj in [*pipes, *sentinels]:
+                selector.register(obj, selectors.EVENT_READ)
+            while (not self._stop.is_set() or any(self._load)) and self._failure.error is None and sentinels:
+                for key, _ in selector.select(_POLL_S):
+                    if key.fileobj in pipes:
+                        self._receive(key.fileobj, pipes)
+                    elif key.fileobj in sentinels:
+                        self._exited(sentinels.pop(key.fileobj), pipes)
+                for obj in [o for o in selector.get_map().values() if o.fileobj not in pipes | sentinels.keys()]:
+                    selector.unregister(obj.fileobj)  # a pipe at its end, a process that exited
 
     def _receive(self, pipe: Any, pipes: dict) -> None:
         try:

@@ -15,7 +15,7 @@ from ..examples.leaves import read_only, row_of
 from ..examples.structure import Structure
 from .delivery_rng import DeliveryRng
 
-__all__ = ["augmented"]
+__all__ = ["augmented", "packed", "unpacked"]
 
 
 def augmented(augment: Callable[..., Any], structure: Structure, arrays: tuple, deliveries: np.ndarray,
@@ -32,3 +32,22 @@ def augmented(augment: Callable[..., Any], structure: Structure, arrays: tuple, 
             yield delivery, augment(example) if rng is None else augment(example, rng=rng.at(delivery))
         except StopIteration as stop:  # not this generator's end: an error (see Failure.set)
             raise stop_iteration_error(stop, "augment") from stop
+
+
+def packed(deliveries: np.ndarray) -> tuple | np.ndarray:
+    """A batch's delivery numbers as a task carries them: ``(first, count)``
+    where they run on one by one (a batch taken from upstream), else the array
+    (rows carried over from a checkpoint)."""
+    count = len(deliveries)
+    if count and int(deliveries[-1]) - int(deliveries[0]) == count - 1 and (
+            count < 3 or bool(np.all(np.diff(deliveries.astype(np.int64)) == 1))):
+        return int(deliveries[0]), count
+    return deliveries
+
+
+def unpacked(deliveries: tuple | np.ndarray) -> np.ndarray:
+    """The delivery numbers ``packed`` made."""
+    if isinstance(deliveries, tuple):
+        first, count = deliveries
+        return np.arange(first, first + count, dtype=np.uint64)
+    return deliveries

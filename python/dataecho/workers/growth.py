@@ -69,6 +69,11 @@ class Growth:
         self._said = False
         self.allowed: int | None = None
 
+    def cpu_now(self) -> float:
+        """This thread's CPU time while the reads are sampled, else 0 (the
+        clock costs a system call per read on some machines)."""
+        return 0.0 if self._decided else time.thread_time()
+
     def observe(self, wall_s: float, cpu_s: float, rows: int = 1) -> int:
         """Threads to add after a read of ``rows`` examples in ``wall_s``
         seconds, ``cpu_s`` of them on the CPU (called by the first thread)."""

@@ -25,6 +25,8 @@ def close_workers(tasks: list[Any], processes: list[Any], grace_s: float) -> Non
             task.send(None)
         except OSError:  # that worker is gone already
             pass
+        except Exception:  # noqa: BLE001 - at interpreter exit pickling may be gone: the lifeline's EOF ends it
+            pass
     reap(processes, time.monotonic() + grace_s)
 
 

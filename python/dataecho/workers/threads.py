@@ -184,20 +184,20 @@ class Producers:
         buffer, growth = self._buffer, self._growth
         counter = self._counters.setdefault(threading.current_thread(), [0, 0.0])
         index = list(self._counters).index(threading.current_thread())  # in the order started: 0 decides growth
-        started, cpu = time.perf_counter(), time.thread_time()
+        started, cpu = time.perf_counter(), growth.cpu_now()
         # Smaller chunks as threads are added, where deterministic intake bounds how far they may read ahead.
         chunk = functools.partial(self._spec.chunk, self._source.chunk)
         for seq, rows, read in claimed(buffer.claim_range, lambda: chunk(len(self._counters)), self._source.reader,
                                        self._columns, functools.partial(growth.reads, index)):
             busy = time.perf_counter() - started
             counter[1] += busy
-            if index == 0 and (more := growth.observe(busy, time.thread_time() - cpu, rows)):
+            if index == 0 and (more := growth.observe(busy, growth.cpu_now() - cpu, rows)):
                 self._spawn([self._read_map] * more, first_id=len(self._counters))
             buffer.put_each(read, rows, seq)
             counter[0] += rows
             if self._stop.is_set():
                 return
-            started, cpu = time.perf_counter(), time.thread_time()
+            started, cpu = time.perf_counter(), growth.cpu_now()
 
     def _probe_map(self) -> bool:
         """Reads positions of the probe while there are any, then waits for the
