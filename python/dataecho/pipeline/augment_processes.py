@@ -103,8 +103,10 @@ class AugmentProcessStage(AugmentStage):
                 task = self._take()
             except StopIteration:
                 break  # the upstream has ended
-            arrays = task.arrays if task.arrays is not None else self._source.read_rows(self._structure, task.rows)
-            self._hand_over(arrays, task.deliveries)
+            if task.arrays is not None:  # a batch from upstream: its deliveries run on one by one
+                self._hand_over(task.arrays, (int(task.deliveries[0]), len(task.deliveries)))
+            else:
+                self._hand_over(self._source.read_rows(self._structure, task.rows), task.deliveries)
         self._workers.drain()
         self._failure.raise_if_set()
         if self.output is not None and not self._stop.is_set():
@@ -113,8 +115,9 @@ class AugmentProcessStage(AugmentStage):
     def _thread_done(self) -> None:
         self.ready.set()  # nothing more will come, if no output was made
 
-    def _hand_over(self, arrays: tuple, deliveries: np.ndarray) -> None:
-        """One batch to a worker; the first one's results make the output buffer."""
+    def _hand_over(self, arrays: tuple, deliveries: np.ndarray | tuple[int, int]) -> None:
+        """One batch to a worker (``deliveries``: as AugmentProcesses.submit takes
+        them); the first one's results make the output buffer."""
         task_id = next(self._ids)
         first = self.output is None
         if not first:

@@ -31,7 +31,6 @@ from typing import Any, Callable
 
 from ..errors import BufferClosed
 from . import augment_child
-from .augmenting import packed
 from .failure import Failure
 from .pool import close_workers
 from .processes import RemoteTraceback
@@ -63,8 +62,8 @@ class AugmentProcesses:
         self._failure, self._on_failure, self._on_done = Failure(), lambda: None, lambda task_id: None
         self._blocks: SharedBlocks | None = None
         self._output: Any = None
-        self._processes, self._pipes, self._tasks, self._lifeline = _spawn(count, start_method, augment, structure,
-                                                                          seed)
+        spawned = _spawn(count, start_method, augment, structure, seed)
+        self._processes, self._pipes, self._tasks, self._lifeline = spawned
         self._reset()
 
     @property
@@ -96,12 +95,12 @@ class AugmentProcesses:
     def _reset(self) -> None:
         self._load = [0] * len(self._processes)  # tasks in flight, per worker
         self._results: dict[int, list] = {}
-        self._ready: set[int] = set()
-        self._attached: set[int] = set()
+        self._ready, self._attached = set[int](), set[int]()  # the workers that mapped the blocks, the output
         self._lost = False  # a worker died after the epoch was stopped
 
     def submit(self, task_id: int, deliveries: Any, leaves: list, send_back: bool = False) -> None:
-        """Hands a task to the least busy worker, waiting while all have theirs in flight.
+        """Hands a task (``deliveries``: an array, or ``(first, count)``) to the
+        least busy worker, waiting while all have theirs in flight.
 
         Raises:
             BufferClosed: the epoch was stopped, or a worker failed (its error is in ``failure``).
@@ -112,8 +111,8 @@ class AugmentProcesses:
             self._raise_if_over()
             worker = min(range(len(self._load)), key=lambda w: self._load[w])
             self._load[worker] += 1
-        # pickle's own: multiprocessing's pickler (for handles; a task has none) costs tens of us more
-        self._send(worker, pickle.dumps(("task", task_id, packed(deliveries), leaves, send_back), -1))
+        task = ("task", task_id, deliveries, leaves, send_back)  # pickled by pickle: multiprocessing's
+        self._send(worker, pickle.dumps(task, -1))  # pickler (for handles; a task has none) costs tens of us more
 
     def results(self, task_id: int) -> list:
         """Waits for the results a task sent back: [(delivery, result), ...].
@@ -232,8 +231,9 @@ class AugmentProcesses:
                         self._receive(key.fileobj, pipes)
                     elif key.fileobj in sentinels:
                         self._exited(sentinels.pop(key.fileobj), pipes)
-                for obj in [o for o in selector.get_map().values() if o.fileobj not in pipes | sentinels.keys()]:
-                    selector.unregister(obj.fileobj)  # a pipe at its end, a process that exited
+                if len(selector.get_map()) > len(pipes) + len(sentinels):  # a pipe at its end, a process that exited
+                    for obj in [o for o in selector.get_map().values() if o.fileobj not in pipes | sentinels.keys()]:
+                        selector.unregister(obj.fileobj)
 
     def _receive(self, pipe: Any, pipes: dict) -> None:
         try:

@@ -15,7 +15,7 @@ from ..examples.leaves import read_only, row_of
 from ..examples.structure import Structure
 from .delivery_rng import DeliveryRng
 
-__all__ = ["augmented", "packed", "unpacked"]
+__all__ = ["augmented", "unpacked"]
 
 
 def augmented(augment: Callable[..., Any], structure: Structure, arrays: tuple, deliveries: np.ndarray,
@@ -34,19 +34,9 @@ def augmented(augment: Callable[..., Any], structure: Structure, arrays: tuple, 
             raise stop_iteration_error(stop, "augment") from stop
 
 
-def packed(deliveries: np.ndarray) -> tuple | np.ndarray:
-    """A batch's delivery numbers as a task carries them: ``(first, count)``
-    where they run on one by one (a batch taken from upstream), else the array
-    (rows carried over from a checkpoint)."""
-    count = len(deliveries)
-    if count and int(deliveries[-1]) - int(deliveries[0]) == count - 1 and (
-            count < 3 or bool(np.all(np.diff(deliveries.astype(np.int64)) == 1))):
-        return int(deliveries[0]), count
-    return deliveries
-
-
 def unpacked(deliveries: tuple | np.ndarray) -> np.ndarray:
-    """The delivery numbers ``packed`` made."""
+    """A task's delivery numbers as an array: they come as one, or as
+    ``(first, count)`` where they run on one by one (a batch taken from upstream)."""
     if isinstance(deliveries, tuple):
         first, count = deliveries
         return np.arange(first, first + count, dtype=np.uint64)
