@@ -5,7 +5,9 @@ ops, whose dispatch holds the GIL) runs over batches that are preloaded in
 memory, and then over each loader feeding it at full speed, in one run. The
 figure is the step's own time (the loop body, not the wait for a batch):
 every extra microsecond there is the loader competing with the training loop
-for the GIL or the cores. Per-example work is either Python-bound (a pure
+for the GIL or the cores. Each contestant runs ``--rounds`` times, each right
+after the preloaded step is timed again; its slowdown is the median ratio of
+those neighbours. Per-example work is either Python-bound (a pure
 Python loop: holds the GIL) or GIL-releasing (a sleep, as I/O or native
 decoding), as ``transform`` and, where given, ``augment``.
 
@@ -15,12 +17,13 @@ torch ``DataLoader(num_workers=2)``. Target: with process workers and process
 ``augment``, the step at most 5% slower than with preloaded batches.
 
 Usage:
-    python bench/bench_step.py [--steps 300] [--work-us 10] [--json PATH]
+    python bench/bench_step.py [--steps 300] [--rounds 3] [--work-us 10] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -132,37 +135,61 @@ def _torch_loader(transform):
                                        persistent_workers=True)
 
 
-def endless(make):
+def loader_time(make, step: Step, steps: int) -> float:
+    """The step's time over a new loader of ``make`` (epoch after epoch); the
+    loader is closed after, its threads and processes gone before the next timing."""
     loader = make()
-    while True:
-        yield from loader
+
+    def endless():
+        while True:
+            yield from loader
+
+    batches = endless()
+    try:
+        return step_time(batches, step, steps)
+    finally:
+        batches.close()
+        if isinstance(loader, dataecho.EchoLoader):
+            loader.close()
+        del loader, batches
+        gc.collect()  # DataLoader's persistent workers end as its iterator is collected
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per contestant; the median ratio is shown")
     parser.add_argument("--work-us", type=float, default=10.0, help="per-example work, microseconds")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     globals()["WORK_S"] = args.work_us * 1e-6  # read by the per-example work functions
     torch.set_num_threads(1)
     common.print_header(common.machine(), f"step: {Step().ops} small torch ops; batch {BATCH}; per-example work "
-                                          f"{WORK_S * 1e6:.0f} us; the step's own time, median; lower is better\n")
+                                          f"{WORK_S * 1e6:.0f} us; the step's own time, median; slowdown: the median over "
+                                          f"{args.rounds} rounds of the step's time over the preloaded step's, "
+                                          f"timed just before; lower is better\n")
     step = Step()
     preloaded_batches = [{"x": torch.rand(BATCH, 256), "id": torch.arange(BATCH)} for _ in range(8)]
-    base = step_time((preloaded_batches[i % 8] for i in range(10 ** 9)), step, args.steps)
-    rows, results = [("preloaded batches", "", f"{base * 1e6:.0f} us", "")], {"preloaded_s": base, "runs": []}
+
+    def preloaded() -> float:
+        return step_time((preloaded_batches[i % 8] for i in range(10 ** 9)), step, args.steps)
+
+    rows, results = [], {"rounds": args.rounds, "runs": []}
     for work in ("python", "releasing"):
         for name, make in loaders(work):
-            batches = endless(make)
-            try:
-                t = step_time(batches, step, args.steps)
-            finally:
-                batches.close()
-            rows.append((name, "Python-bound" if work == "python" else "GIL-releasing", f"{t * 1e6:.0f} us",
-                         f"{t / base - 1:+.1%}"))
-            results["runs"].append({"loader": name, "work": work, "step_s": t, "slowdown": t / base - 1})
-    common.print_table(("loader", "transform/augment", "step", "slowdown"), rows)
+            # Each round times the preloaded step and then the loader's, back to back: a ratio
+            # of neighbours, so that the machine's drift between contestants cancels.
+            bases, times = [], []
+            for _ in range(args.rounds):
+                bases.append(preloaded())
+                times.append(loader_time(make, step, args.steps))
+            slowdown = statistics.median(t / b for t, b in zip(times, bases)) - 1
+            base, t = statistics.median(bases), statistics.median(times)
+            rows.append((name, "Python-bound" if work == "python" else "GIL-releasing", f"{base * 1e6:.0f} us",
+                         f"{t * 1e6:.0f} us", f"{slowdown:+.1%}"))
+            results["runs"].append({"loader": name, "work": work, "preloaded_s": base, "step_s": t,
+                                    "slowdown": slowdown})
+    common.print_table(("loader", "transform/augment", "preloaded", "step", "slowdown"), rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

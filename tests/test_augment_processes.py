@@ -13,7 +13,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from support import AugmentDies, Records, kill_owner, noisy_augment, with_pid
+from support import AugmentDies, AugmentReshapes, Records, kill_owner, noisy_augment, with_pid
 
 import dataecho
 
@@ -79,6 +79,15 @@ def test_ragged_and_object_leaves_go_through_augment_processes():
 def test_an_augment_worker_that_dies_is_the_loops_error(how, message):
     loader = make("process", augment=AugmentDies(250, how))
     with pytest.raises(RuntimeError, match=f"dataecho augment worker .* {message}"):
+        for _ in loader:
+            pass
+
+
+@pytest.mark.parametrize("augment_workers", ["thread", "process"])
+def test_a_result_of_another_shape_is_named(augment_workers):
+    # Example 250 is augmented after the first batch, whose results fixed the leaf's shape.
+    loader = make(augment_workers, augment=AugmentReshapes(250))
+    with pytest.raises(ValueError, match=r"augment's result: .*'extra'.* \(3,\)"):
         for _ in loader:
             pass
 

@@ -27,10 +27,11 @@ class Columns:
         fields: the buffer's fields, one per leaf.
         codec: carries the object leaves (the buffer's, or a worker's); None
             without object leaves.
+        where: what the examples are, for messages.
     """
 
-    def __init__(self, structure: Structure, fields: list[Field], codec: Any = None) -> None:
-        self.structure, self.fields, self._codec = structure, fields, codec
+    def __init__(self, structure: Structure, fields: list[Field], codec: Any = None, where: str = "example") -> None:
+        self.structure, self.fields, self._codec, self._where = structure, fields, codec, where
         self._decls = [f.decl() if f.kind != "object" else None for f in fields]
         self._objects = [i for i, f in enumerate(fields) if f.kind == "object"]
 
@@ -91,21 +92,21 @@ class Columns:
         field = self.fields[leaf]
         value = self.structure.leaf(value, leaf)
         try:
-            return to_field_array(value, field, None, "example")
+            return to_field_array(value, field, None, self._where)
         except ValueError:
-            hint = ragged_hint(field, value)
+            hint = ragged_hint(field, value, self._where)
             if hint is None:
                 raise
         raise ValueError(hint)
 
 
-def ragged_hint(field: Field, value: Any) -> str | None:
+def ragged_hint(field: Field, value: Any, where: str = "example") -> str | None:
     """The error for a leaf taken as fixed whose first axis has another length
     here, or None when its shape differs otherwise."""
     shape = np.shape(value) if isinstance(value, (np.ndarray, list)) else ()
     if field.kind != "array" or len(shape) != len(field.shape) or not shape or shape[1:] != field.shape[1:]:
         return None
-    return (f"example: leaf {field.name or 'example'!r} has shape {tuple(shape)} where the first examples had "
+    return (f"{where}: leaf {field.name or 'example'!r} has shape {tuple(shape)} where the first examples had "
             f"{field.shape}; a leaf whose length varies is ragged: declare it with "
             f"EchoLoader(..., ragged=[{field.name or ''!r}])")
 

@@ -86,10 +86,11 @@ class NativeBuffer:
 
     # ---- producers ----
 
-    def put_values(self, values: list, timeout_s: float | None = None, seq: int = 0) -> None:
+    def put_values(self, values: list, timeout_s: float | None = None, seq: int = 0, where: str = "put()") -> None:
         """Puts one example given as one value per field (converted here);
-        ``seq`` is its position in the input, for deterministic intake."""
-        self.put_arrays([field_value(v, f, None, "put()") for v, f in zip(values, self.fields)], timeout_s, seq)
+        ``seq`` is its position in the input, for deterministic intake;
+        ``where`` names the values in messages."""
+        self.put_arrays([field_value(v, f, None, where) for v, f in zip(values, self.fields)], timeout_s, seq)
 
     def put_arrays(self, arrays: list[Any], timeout_s: float | None = None, seq: int = 0) -> None:
         """Puts one example given as one converted array per field (object

@@ -272,7 +272,7 @@ class AugmentStage:
             results = list(self._augmented(task, rng))
             output = self.output or self._create_output([result for _, result in results])
             for delivery, result in results:
-                output.put_values(self.out_structure.flatten(result), seq=delivery)
+                output.put_values(self.out_structure.flatten(result), seq=delivery, where="augment's result")
 
     def _thread_done(self) -> None:
         """The last thread to end closes the output (the epoch's end, unless stopped)."""

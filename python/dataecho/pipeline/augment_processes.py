@@ -127,7 +127,7 @@ class AugmentProcessStage(AugmentStage):
             results = self._workers.results(task_id)
             output = self._create_output([result for _, result in results])
             for delivery, result in results:
-                output.put_values(self.out_structure.flatten(result), seq=delivery)
+                output.put_values(self.out_structure.flatten(result), seq=delivery, where="augment's result")
             self._workers.attach(output, output.fields, self.out_structure)
 
     def next(self, timeout_s: float | None = None) -> Batch:

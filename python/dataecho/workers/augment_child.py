@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from .. import _core
+from ..examples.columns import Columns
 from ..examples.fields import field_value
 from ..examples.objects import LeafMap
 from ..examples.structure import Structure
@@ -88,6 +89,7 @@ class _Worker:
         self._structure: Structure | None = None
         self._fields: list = []
         self._leaf_map: LeafMap | None = None
+        self._columns: Columns | None = None
 
     def handle(self, message: tuple) -> bool:
         """Does what ``message`` asks; False once the parent is gone."""
@@ -95,12 +97,13 @@ class _Worker:
         if kind == "output":
             _, region, self._fields, self._structure = message
             self._leaf_map = LeafMap(self._fields, "pickle")  # object leaves travel pickled, in the carrier
+            self._columns = Columns(self._structure, self._fields, self._leaf_map.codec, "augment's result")
             self._producer = _core.Producer(region, [f.decl() for f in self._leaf_map.native])
             send(self._conn, ("attached", self._spec.worker_id, self._epoch))
             return True
         if kind == "blocks":
             _, self._epoch, names, nbytes, rng_key = message
-            self._producer = self._structure = self._leaf_map = None  # the last epoch's output is gone
+            self._producer = self._structure = self._leaf_map = self._columns = None  # the last epoch's output is gone
             self._views = BlockViews(names, nbytes)
             self._rng = DeliveryRng(*rng_key) if rng_key is not None else None
             send(self._conn, ("ready", self._spec.worker_id, self._epoch))
@@ -111,13 +114,28 @@ class _Worker:
         if send_back or self._producer is None:
             send(self._conn, ("results", self._spec.worker_id, task_id, results))
             return True
-        for delivery, result in results:
-            status = self._put(result, delivery)
-            if status is None:
-                return False
-            if not status:
-                break  # closed: the rest are dropped
+        if isinstance(deliveries, tuple):  # numbered one after another: put in one native call
+            status = self._put_all([result for _, result in results], deliveries[0])
+        else:
+            status = True
+            for delivery, result in results:
+                status = self._put(result, delivery)
+                if not status:
+                    break  # closed (the rest are dropped), or the parent is gone
+        if status is None:
+            return False
         send(self._conn, ("done", self._spec.worker_id, task_id))
+        return True
+
+    def _put_all(self, results: list, first: int) -> bool | None:
+        """Puts results numbered ``first`` on, as columns; as :meth:`_put`."""
+        columns, done = self._columns.of(results), 0
+        while done < len(results):
+            status, done = self._producer.put_each(columns, len(results), 1.0, first, done)
+            if status == _CLOSED:
+                return False
+            if done < len(results) and os.getppid() != self._parent:
+                return None
         return True
 
     def _put(self, result: Any, delivery: int) -> bool | None:
