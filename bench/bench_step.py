@@ -5,7 +5,10 @@ ops, whose dispatch holds the GIL) runs over batches that are preloaded in
 memory, and then over each loader feeding it at full speed, in one run. The
 figure is the step's own time (the loop body, not the wait for a batch):
 every extra microsecond there is the loader competing with the training loop
-for the GIL or the cores. Each contestant runs ``--rounds`` times, each right
+for the GIL or the cores. Beside it, what the loader costs the training
+process itself, less noisy than a time on a shared machine: its CPU (all its
+threads, not its worker processes) and its context switches per batch, beyond
+those of the preloaded run. Each contestant runs ``--rounds`` times, each right
 after the preloaded step is timed again; its slowdown is the median ratio of
 those neighbours. Per-example work is either Python-bound (a pure
 Python loop: holds the GIL) or GIL-releasing (a sleep, as I/O or native
@@ -28,8 +31,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import resource
 import statistics
 import time
+from typing import NamedTuple
 
 import common
 import numpy as np
@@ -92,16 +97,32 @@ class Step:
         return float(x.sum())
 
 
-def step_time(batches, step: Step, steps: int) -> float:
-    """Median time of the step's own body over ``steps`` batches (waits excluded)."""
+class Timing(NamedTuple):
+    step_s: float  # the step's own time, median
+    cpu_s: float  # the training process's CPU (all its threads) per batch
+    switches: float  # its threads' context switches per batch
+
+
+def step_time(batches, step: Step, steps: int) -> Timing:
+    """The step's own body over ``steps`` batches (waits excluded), and the
+    training process's CPU and context switches per batch, the first 5 left out."""
     times = []
     for i, batch in enumerate(batches):
+        if i == 5:
+            cpu, switches = time.process_time(), _switches()
         start = time.perf_counter()
         step(batch)
         times.append(time.perf_counter() - start)
         if i + 1 >= steps:
             break
-    return statistics.median(times[5:])
+    counted = len(times) - 5
+    return Timing(statistics.median(times[5:]), (time.process_time() - cpu) / counted,
+                  (_switches() - switches) / counted)
+
+
+def _switches() -> int:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_nvcsw + usage.ru_nivcsw
 
 
 def loaders(work: str):
@@ -175,7 +196,9 @@ def main() -> None:
     common.print_header(common.machine(), f"step: {Step().ops} small torch ops; batch {BATCH}; per-example work "
                                           f"{WORK_S * 1e6:.0f} us; the step's own time, median; slowdown: the median over "
                                           f"{args.rounds} rounds of the step's time over the preloaded step's, "
-                                          f"timed just before; lower is better\n")
+                                          f"timed just before; CPU/batch and switches: the training process's (all its "
+                                          f"threads, not its workers') beyond the preloaded run's, per batch; lower is "
+                                          f"better\n")
     step = Step()
     preloaded_batches = [{"x": torch.rand(BATCH, 256), "id": torch.arange(BATCH)} for _ in range(8)]
 
@@ -191,13 +214,15 @@ def main() -> None:
             for _ in range(args.rounds):
                 bases.append(preloaded())
                 times.append(loader_time(make, step, args.steps))
-            slowdown = statistics.median(t / b for t, b in zip(times, bases)) - 1
-            base, t = statistics.median(bases), statistics.median(times)
-            rows.append((name, "Python-bound" if work == "python" else "GIL-releasing", f"{base * 1e6:.0f} us",
-                         f"{t * 1e6:.0f} us", f"{slowdown:+.1%}"))
-            results["runs"].append({"loader": name, "work": work, "preloaded_s": base, "step_s": t,
+            slowdown = statistics.median(t.step_s / b.step_s for t, b in zip(times, bases)) - 1
+            base, t = (Timing(*map(statistics.median, zip(*runs))) for runs in (bases, times))
+            rows.append((name, "Python-bound" if work == "python" else "GIL-releasing", f"{base.step_s * 1e6:.0f} us",
+                         f"{t.step_s * 1e6:.0f} us", f"{slowdown:+.1%}", f"{(t.cpu_s - base.cpu_s) * 1e6:.0f} us",
+                         f"{t.switches - base.switches:.1f}"))
+            results["runs"].append({"loader": name, "work": work, "preloaded": base._asdict(), "loader_run": t._asdict(),
                                     "slowdown": slowdown})
-    common.print_table(("loader", "transform/augment", "preloaded", "step", "slowdown"), rows)
+    common.print_table(("loader", "transform/augment", "preloaded", "step", "slowdown", "CPU/batch", "switches"),
+                       rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
