@@ -35,27 +35,25 @@ class ShardedByTorch(IterableDataset):
             }
 
 
-class Pairs(torch.utils.data.Dataset):
-    """``(np.array([i]), i % 3)``: an array and a Python int, the most common shape of a torch example."""
+class Sized(torch.utils.data.Dataset):
+    """A map-style dataset of ``n`` examples."""
 
     def __init__(self, n: int) -> None:
         self.n = n
 
     def __len__(self) -> int:
         return self.n
+
+
+class Pairs(Sized):
+    """``(np.array([i]), i % 3)``: an array and a Python int, the most common shape of a torch example."""
 
     def __getitem__(self, i: int):
         return np.array([i]), i % 3
 
 
-class Described(torch.utils.data.Dataset):
+class Described(Sized):
     """Dicts of a Python int, a str, a float, a NumPy scalar, a tensor and a range."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
 
     def __getitem__(self, i: int):
         return {"id": i, "name": f"item-{i}", "weight": i / 2, "np": np.float32(i), "t": torch.tensor([i, -i]),
@@ -89,14 +87,12 @@ def seed_12345(worker_id: int) -> None:
     torch.manual_seed(12345)
 
 
-class FailsAt(torch.utils.data.Dataset):
+class FailsAt(Sized):
     """``range(n)`` whose ``__getitem__(at)`` raises a KeyError."""
 
     def __init__(self, n: int, at: int) -> None:
-        self.n, self.at = n, at
-
-    def __len__(self) -> int:
-        return self.n
+        super().__init__(n)
+        self.at = at
 
     def __getitem__(self, i: int):
         if i == self.at:
@@ -120,18 +116,16 @@ class Slow(torch.utils.data.Dataset):
         return i
 
 
-class Locked(torch.utils.data.Dataset):
+class Locked(Sized):
     """Holds multiprocessing objects (a lock, a value, an event) of the
     forkserver context: they reach worker processes only by inheritance."""
 
     def __init__(self, n: int) -> None:
         import multiprocessing
 
+        super().__init__(n)
         context = multiprocessing.get_context("forkserver")
-        self.n, self.lock, self.reads, self.event = n, context.Lock(), context.Value("i", 0), context.Event()
-
-    def __len__(self) -> int:
-        return self.n
+        self.lock, self.reads, self.event = context.Lock(), context.Value("i", 0), context.Event()
 
     def __getitem__(self, i: int):
         with self.lock:

@@ -85,7 +85,7 @@ class AugmentProcesses:
         self._stop.clear()
         for task in self._tasks:
             try:
-                task.send(("blocks", self._epoch, blocks.names, blocks.nbytes, rng_key))
+                task.send_bytes(_pickled(("blocks", self._epoch, blocks.names, blocks.nbytes, rng_key)))
             except OSError:
                 return False
         self._monitor = threading.Thread(target=self._watch, name="dataecho-augment-monitor", daemon=True)
@@ -111,8 +111,7 @@ class AugmentProcesses:
             self._raise_if_over()
             worker = min(range(len(self._load)), key=lambda w: self._load[w])
             self._load[worker] += 1
-        task = ("task", task_id, deliveries, leaves, send_back)  # pickled by pickle: multiprocessing's
-        self._send(worker, pickle.dumps(task, -1))  # pickler (for handles; a task has none) costs tens of us more
+        self._send(worker, ("task", task_id, deliveries, leaves, send_back))
 
     def results(self, task_id: int) -> list:
         """Waits for the results a task sent back: [(delivery, result), ...].
@@ -153,14 +152,11 @@ class AugmentProcesses:
     def _settled(self) -> bool:
         return not any(self._load) or self._failure.error is not None or self._lost
 
-    def _send(self, worker: int, message: tuple | bytes) -> None:
-        """Sends ``message`` (bytes: pickled already) to a worker; if it is gone, waits
-        for the monitor to say why (its exit is the epoch's error) and raises BufferClosed."""
+    def _send(self, worker: int, message: tuple) -> None:
+        """Sends ``message`` to a worker; if it is gone, waits for the monitor
+        to say why (its exit is the epoch's error) and raises BufferClosed."""
         try:
-            if isinstance(message, bytes):
-                self._tasks[worker].send_bytes(message)
-            else:
-                self._tasks[worker].send(message)
+            self._tasks[worker].send_bytes(_pickled(message))
         except OSError:
             with self._cond:
                 self._cond.wait_for(lambda: self._failure.error is not None, _VERDICT_S)
@@ -293,6 +289,12 @@ class AugmentProcesses:
             self._on_failure()
         with self._cond:
             self._cond.notify_all()
+
+
+def _pickled(message: tuple) -> bytes:
+    """A message to a worker, pickled by pickle itself: multiprocessing's pickler
+    (which can send handles; no message here has one) costs tens of us more each."""
+    return pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
 
 
 def _spawn(count: int, start_method: str, augment: Any, structure: Any, seed: int) -> tuple[list, list, list, Any]:

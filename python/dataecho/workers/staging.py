@@ -58,8 +58,8 @@ class SharedBlocks:
 
     def locate(self, array: np.ndarray) -> tuple[int, int] | None:
         """(block, offset) of an array whose bytes lie in one block, else None."""
-        low, high = _byte_bounds(array)
         start = array.__array_interface__["data"][0]
+        low, high = _byte_bounds(array, start)
         for block, base in enumerate(self._starts):
             if base <= low and high <= base + self.nbytes:
                 return block, start - base
@@ -74,9 +74,9 @@ class SharedBlocks:
                 pass
 
 
-def _byte_bounds(array: np.ndarray) -> tuple[int, int]:
-    """The lowest and one past the highest address ``array``'s elements take."""
-    start = array.__array_interface__["data"][0]
+def _byte_bounds(array: np.ndarray, start: int) -> tuple[int, int]:
+    """The lowest and one past the highest address ``array``'s elements take
+    (``start``: the address of its first element)."""
     if array.flags.c_contiguous:  # a batch leaf, nearly always
         return start, start + array.nbytes
     if array.size == 0:
