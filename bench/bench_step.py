@@ -99,24 +99,29 @@ class Step:
 
 class Timing(NamedTuple):
     step_s: float  # the step's own time, median
+    loop_s: float  # the loop's time per batch (the step and the wait for its batch), median
     cpu_s: float  # the training process's CPU (all its threads) per batch
     switches: float  # its threads' context switches per batch
 
 
 def step_time(batches, step: Step, steps: int) -> Timing:
-    """The step's own body over ``steps`` batches (waits excluded), and the
-    training process's CPU and context switches per batch, the first 5 left out."""
-    times = []
+    """The step's own body over ``steps`` batches (waits excluded), the loop's
+    time per batch (the step and the wait for the batch), and the training
+    process's CPU and context switches per batch, the first 5 left out."""
+    times, loops = [], []
+    end = time.perf_counter()
     for i, batch in enumerate(batches):
         if i == 5:
             cpu, switches = time.process_time(), _switches()
         start = time.perf_counter()
         step(batch)
         times.append(time.perf_counter() - start)
+        loops.append(time.perf_counter() - end)
+        end = time.perf_counter()
         if i + 1 >= steps:
             break
     counted = len(times) - 5
-    return Timing(statistics.median(times[5:]), (time.process_time() - cpu) / counted,
+    return Timing(statistics.median(times[5:]), statistics.median(loops[5:]), (time.process_time() - cpu) / counted,
                   (_switches() - switches) / counted)
 
 
@@ -189,6 +194,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3, help="rounds per contestant; the median ratio is shown")
     parser.add_argument("--work-us", type=float, default=10.0, help="per-example work, microseconds")
+    parser.add_argument("--only", help="only the contestants whose name contains this")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     globals()["WORK_S"] = args.work_us * 1e-6  # read by the per-example work functions
@@ -196,7 +202,8 @@ def main() -> None:
     common.print_header(common.machine(), f"step: {Step().ops} small torch ops; batch {BATCH}; per-example work "
                                           f"{WORK_S * 1e6:.0f} us; the step's own time, median; slowdown: the median over "
                                           f"{args.rounds} rounds of the step's time over the preloaded step's, "
-                                          f"timed just before; CPU/batch and switches: the training process's (all its "
+                                          f"timed just before; loop: the same for the loop's time per batch (the step and the "
+                                          f"wait for its batch); CPU/batch and switches: the training process's (all its "
                                           f"threads, not its workers') beyond the preloaded run's, per batch; lower is "
                                           f"better\n")
     step = Step()
@@ -208,6 +215,8 @@ def main() -> None:
     rows, results = [], {"rounds": args.rounds, "runs": []}
     for work in ("python", "releasing"):
         for name, make in loaders(work):
+            if args.only and args.only not in name:
+                continue
             # Each round times the preloaded step and then the loader's, back to back: a ratio
             # of neighbours, so that the machine's drift between contestants cancels.
             bases, times = [], []
@@ -215,13 +224,14 @@ def main() -> None:
                 bases.append(preloaded())
                 times.append(loader_time(make, step, args.steps))
             slowdown = statistics.median(t.step_s / b.step_s for t, b in zip(times, bases)) - 1
+            loop = statistics.median(t.loop_s / b.loop_s for t, b in zip(times, bases)) - 1
             base, t = (Timing(*map(statistics.median, zip(*runs))) for runs in (bases, times))
             rows.append((name, "Python-bound" if work == "python" else "GIL-releasing", f"{base.step_s * 1e6:.0f} us",
-                         f"{t.step_s * 1e6:.0f} us", f"{slowdown:+.1%}", f"{(t.cpu_s - base.cpu_s) * 1e6:.0f} us",
+                         f"{t.step_s * 1e6:.0f} us", f"{slowdown:+.1%}", f"{loop:+.1%}", f"{(t.cpu_s - base.cpu_s) * 1e6:.0f} us",
                          f"{t.switches - base.switches:.1f}"))
             results["runs"].append({"loader": name, "work": work, "preloaded": base._asdict(), "loader_run": t._asdict(),
-                                    "slowdown": slowdown})
-    common.print_table(("loader", "transform/augment", "preloaded", "step", "slowdown", "CPU/batch", "switches"),
+                                    "slowdown": slowdown, "loop_slowdown": loop})
+    common.print_table(("loader", "transform/augment", "preloaded", "step", "slowdown", "loop", "CPU/batch", "switches"),
                        rows)
     if args.json:
         with open(args.json, "w") as f:

@@ -125,6 +125,9 @@ class Producer {
 
   enum class Rows { kOne, kStacked, kEach };
 
+  // Bytes of rows committed between two wake-ups of the assembler (put_rows).
+  static constexpr std::size_t kWakeBytes = std::size_t{64} << 10;
+
   Status put_rows(const void* const* fields, const std::uint64_t* lengths, std::size_t n, std::size_t& done,
                   Deadline deadline, Rows rows, std::uint64_t first_seq, const std::uint64_t* owners) {
     RegionHeader& h = *region_.header;
@@ -133,15 +136,26 @@ class Producer {
     DATAECHO_CHECK(ragged == 0 || lengths != nullptr);
     DATAECHO_CHECK(owners == nullptr || region_.held != nullptr);  // private regions only
     h.in_flight.fetch_add(1, std::memory_order_seq_cst);  // (I1)
+    // Rows are committed quietly and the assembler woken once per kWakeBytes
+    // (one wake-up for a batch of small rows, not one per row), and before any
+    // wait here: the assembler may be what frees the slot or opens the window.
+    // No wake-up is lost: each commit's seq_cst cell store precedes the
+    // notify's seq_cst load of the waiter count (EventCount, wait.hpp).
+    std::size_t quiet_bytes = 0;
+    const auto wake = [&] {
+      if (quiet_bytes == 0) return;
+      quiet_bytes = 0;
+      region_.committed->not_empty().notify_all();
+    };
     Status status = Status::kOk;
     while (done < n) {
       const std::uint64_t seq = first_seq + (rows == Rows::kOne ? 0 : done);
       if (h.window != 0) {
-        status = wait_for_window(seq, deadline);
+        status = wait_for_window(seq, deadline, wake);
         if (status != Status::kOk) break;
       }
       std::uint32_t slot;
-      status = acquire_slot(slot, deadline);
+      status = acquire_slot(slot, deadline, wake);
       if (status != Status::kOk) break;
       const void* const* example = rows == Rows::kEach ? fields + done * layout_.fields() : fields;
       std::byte* dst = region_.arena.slot(slot);
@@ -166,9 +180,12 @@ class Producer {
       h.fresh.fetch_add(1, std::memory_order_relaxed);
       // Never full: it has a cell per slot, and its one popper (the assembler)
       // cannot be lapped while stalled, since that would need capacity + 1 slots.
-      DATAECHO_CHECK(region_.committed->try_push(slot));
+      DATAECHO_CHECK(region_.committed->try_push_quiet(slot));
       ++done;
+      quiet_bytes += layout_.example_bytes() + 1;
+      if (quiet_bytes >= kWakeBytes) wake();
     }
+    wake();
     // (I2) seq_cst: the condition store for the assembler's wait; our pushes are
     // ordered before it. The closed load is seq_cst so that it and close()'s
     // store are in one order with the assembler's in_flight read.
@@ -180,8 +197,13 @@ class Producer {
   // Deterministic intake: a put may take a slot only while its sequence number
   // is within `window` of the next one the assembler needs, so that examples
   // waiting out of order can never hold every slot (see shuffle_buffer.hpp).
-  Status wait_for_window(std::uint64_t seq, Deadline deadline) {
+  // `before_wait`: called before it blocks.
+  template <class BeforeWait>
+  Status wait_for_window(std::uint64_t seq, Deadline deadline, BeforeWait&& before_wait) {
     RegionHeader& h = *region_.header;
+    // seq_cst: as the re-check below.
+    if (seq < h.intake_seq.load(std::memory_order_seq_cst) + h.window) return Status::kOk;
+    before_wait();
     bool closed = false;
     const bool ok = block_until(h.intake_advanced, deadline, [&] {
       if (h.closed.load(std::memory_order_seq_cst)) return closed = true;
@@ -246,11 +268,14 @@ class Producer {
       block_until(region_.free->not_full(), Deadline::never(), [&] { return region_.free->try_push(slot); });
   }
 
-  Status acquire_slot(std::uint32_t& slot, Deadline deadline) {
+  // `before_wait`: called before it blocks.
+  template <class BeforeWait>
+  Status acquire_slot(std::uint32_t& slot, Deadline deadline, BeforeWait&& before_wait) {
     RegionHeader& h = *region_.header;
     // seq_cst: pairs with close(); after it, no new slot is taken.
     if (h.closed.load(std::memory_order_seq_cst)) return Status::kClosed;
     if (region_.free->try_pop(slot)) return Status::kOk;
+    before_wait();
     const auto start = Clock::now();
     bool got = false;
     bool closed = false;

@@ -54,8 +54,8 @@ class AugmentSpec:
         augment: the function, called per delivery.
         takes_rng: it accepts ``rng``: it is given a generator per delivery
             (keyed by ``seed``, the epoch, ``rank`` and the delivery number).
-        threads: threads that run it (with ``processes``: 1, the thread that
-            hands the worker processes their rows).
+        threads: threads that run it (with ``processes``: none, the
+            consumer's thread hands the worker processes their rows).
         processes: worker processes that run it (0: threads do), and
             ``start_method``, how they are started.
         exact: rows carry their positions: a state names every row.
@@ -166,10 +166,13 @@ class AugmentStage:
         output = self.output
         if output is None or self._failure.error is not None:
             raise StopIteration
-        arrays = output.next_arrays(timeout_s)
+        return self._batch_of(output.next_arrays(timeout_s))
+
+    def _batch_of(self, arrays: tuple) -> Batch:
+        """The batch the output just yielded, with its rows' positions where they are tracked."""
         if not self._track:
             return Batch(self.out_structure, arrays)
-        deliveries = output.last_seqs
+        deliveries = self.output.last_seqs
         rows = np.array([self._positions.pop(d) for d in deliveries.tolist()], dtype=np.uint64)
         return Batch(self.out_structure, arrays, rows, deliveries)
 
@@ -284,9 +287,10 @@ class AugmentStage:
                 self.output.close()
             self.ready.set()  # nothing more will come, if no output was made
 
-    def _take(self) -> _Task:
+    def _take(self, timeout_s: float | None = None) -> _Task:
         """The next rows to augment: carried over from a checkpoint first, then
-        the upstream's next batch (StopIteration at its end)."""
+        the upstream's next batch (StopIteration at its end; TimeoutError if
+        none came within ``timeout_s``, nothing taken)."""
         # Not under the pull lock: the carried rows are in the state either way
         # (pending until handed downstream), and the output buffer's restore
         # waits for them, so a state asked for right after a resume must not
@@ -297,7 +301,7 @@ class AugmentStage:
             deliveries, rows = zip(*chunk)
             return _Task(None, np.array(rows, dtype=np.uint64), np.array(deliveries, dtype=np.uint64))
         with self._pull_lock:
-            batch = self._upstream.next(None)
+            batch = self._upstream.next(timeout_s)
             first = self._taken
             self._taken += len(batch)
             deliveries = np.arange(first, self._taken, dtype=np.uint64)

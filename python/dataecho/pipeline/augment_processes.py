@@ -3,18 +3,22 @@ default with ``worker_type="process"``): the augment stage of
 dataecho.pipeline.augment, whose rows are augmented by worker processes
 (dataecho.workers.augmenters) instead of threads of the training process.
 
-The training process keeps one thread, which takes each batch from upstream
-(numbering its rows' deliveries, as the threads do), hands it to a worker by
-where it lies in the staging blocks (the echo buffer assembles its batches in
-shared memory: no copy, no pickling), and keeps the batch until the worker
-says its rows are in the output buffer. The workers put their results there
-themselves, numbered by delivery, so the output's order, and so the batches,
-are those of thread augment for the same seed. The first batch's results come
-back pickled: they tell the output's structure, which its shared region needs.
-A batch replayed on resume is augmented by a worker too, and sent back; the
-thread hands out its first batch only once the replays are done (the first
-``next`` with none left), so that no worker waits to put a result into an
-output nobody reads while the consumer waits for a replay behind it.
+No thread of the training process runs Python for it: the consumer's thread
+does the stage's part as it takes a batch (as DataLoader's does), so that
+nothing of the loader takes the GIL from the training step. It reads the
+workers' "done"s (each releases the batch its task read), hands every worker
+with room a batch that the upstream has ready (numbering its rows'
+deliveries, as the threads do), by where the batch lies in the staging
+blocks (the echo buffer assembles its batches in shared memory: no copy, no
+pickling), and takes the output's next batch; while none is ready it waits
+for the workers' next message, or for the upstream where no task is in
+flight. Before it returns, every worker with room has a batch again, so the
+workers augment while the step runs. The workers put their results into the
+output themselves, numbered by delivery, so the output's order, and so the
+batches, are those of thread augment for the same seed. The first batch's
+results come back pickled: they tell the output's structure, which its shared
+region needs. A batch replayed on resume is augmented by a worker too, and
+sent back; replays come first, before any batch is handed out.
 With ``persistent_workers=True`` the workers of an epoch that ended cleanly
 serve the next one (the loader's pool keeps them).
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -38,6 +43,7 @@ from .stage import Batch
 __all__ = ["AugmentProcessStage", "STAGED_BATCHES"]
 
 STAGED_BATCHES = 8  # staging blocks beyond the workers' batches in flight (prefetched, assembling, echoed)
+_WAIT_S = 0.05  # the longest wait in one piece: a stop, an error or Ctrl-C reaches a waiting consumer
 
 
 class AugmentProcessStage(AugmentStage):
@@ -57,10 +63,9 @@ class AugmentProcessStage(AugmentStage):
         self._ids = itertools.count()
         self._blocks = blocks
         self._pool = source.pool  # the loader's persistent workers, or None
-        self._go = threading.Event()  # set once no replayed batch is left to hand out
-        if resume is None:
-            self._go.set()
-        # Before the stage's thread starts (in AugmentStage.__init__), which hands them batches at once.
+        self._upstream_over = False  # the upstream has ended
+        self._closed = False  # the output was closed (every result in)
+        # The last epoch's workers where the pool kept them, else new ones.
         kept = self._pool.augmenters if self._pool is not None else None
         self._workers = kept if kept is not None and kept.alive else self._start(spec, structure, source.seeds[3])
         try:
@@ -74,7 +79,7 @@ class AugmentProcessStage(AugmentStage):
                 started = self._workers.begin(*begin.args)
             if not started:
                 raise RuntimeError("dataecho augment workers exited as they started; the epoch is stopped")
-            super().__init__(spec, upstream, structure, source, failure, on_failure, pull_lock, resume)
+            super().__init__(spec, upstream, structure, source, failure, on_failure, pull_lock, resume)  # no thread
         except BaseException:
             self._release(0.0, keep=False)
             raise
@@ -93,27 +98,75 @@ class AugmentProcessStage(AugmentStage):
         if not self._workers.end(timeout_s, keep and self._pool is not None) and self._pool is not None:
             self._pool.augmenters = None
 
-    def _work(self) -> None:
-        """The one thread: hands every batch to the workers, then closes the output."""
-        while not self._go.wait(0.05):
-            if self._stop.is_set():
-                return
-        while not self._stop.is_set():
-            try:
-                task = self._take()
-            except StopIteration:
-                break  # the upstream has ended
-            if task.arrays is not None:  # a batch from upstream: its deliveries run on one by one
-                self._hand_over(task.arrays, (int(task.deliveries[0]), len(task.deliveries)))
-            else:
-                self._hand_over(self._source.read_rows(self._structure, task.rows), task.deliveries)
-        self._workers.drain()
-        self._failure.raise_if_set()
-        if self.output is not None and not self._stop.is_set():
-            self.output.close()
+    # ---- the consumer's part ----
 
-    def _thread_done(self) -> None:
-        self.ready.set()  # nothing more will come, if no output was made
+    def next(self, timeout_s: float | None = None) -> Batch:
+        if self._replay:
+            return self.read_batch(self._replay.popleft())
+        if self._ended:
+            raise StopIteration
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            arrays = self._next_output(deadline)
+            self._feed()  # every worker with room gets a batch before the step runs
+        except BufferClosed:
+            raise StopIteration from None  # stopped, or failed: the epoch raises the error
+        return self._batch_of(arrays)
+
+    def _next_output(self, deadline: float | None) -> tuple:
+        """The output's next batch, feeding the workers while none is ready.
+
+        Raises:
+            StopIteration: the epoch's end. BufferClosed: stopped, or a worker failed.
+            TimeoutError: none came by ``deadline``.
+        """
+        while True:
+            if self._stop.is_set() or self._failure.error is not None:
+                raise BufferClosed("the epoch was stopped")
+            self._feed()
+            idle, output = not self._workers.busy, self.output
+            if output is None and idle and self._upstream_over:
+                raise StopIteration  # nothing came from upstream
+            if output is not None:
+                try:  # every result is in once idle at the upstream's end: wait for the last batches
+                    return output.next_arrays(_WAIT_S if idle and self._upstream_over else 0.0)
+                except TimeoutError:
+                    pass
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError("no augmented batch came in time")
+            if not idle:
+                self._workers.pump(_WAIT_S)  # a "done" (output has grown, a worker has room) or an error
+            elif not self._upstream_over:
+                self._hand_over_next(_WAIT_S)
+
+    def _feed(self) -> None:
+        """Reads the workers' messages, then hands every worker with room a batch
+        the upstream has ready; closes the output once the upstream is over and
+        every result is in."""
+        self._workers.pump(0.0)
+        while not self._upstream_over and self._workers.has_room:
+            if not self._hand_over_next(0.0):
+                break
+        if self._upstream_over and not self._workers.busy and not self._closed:
+            self._closed = True
+            if self.output is not None:
+                self.output.close()
+            self.ready.set()
+
+    def _hand_over_next(self, timeout_s: float) -> bool:
+        """Hands a worker the next batch, waiting up to ``timeout_s`` for it; False if none came."""
+        try:
+            task = self._take(timeout_s)
+        except TimeoutError:
+            return False
+        except StopIteration:
+            self._upstream_over = True
+            return False
+        if task.arrays is not None:  # a batch from upstream: its deliveries run on one by one
+            self._hand_over(task.arrays, (int(task.deliveries[0]), len(task.deliveries)))
+        else:
+            self._hand_over(self._source.read_rows(self._structure, task.rows), task.deliveries)
+        return True
 
     def _hand_over(self, arrays: tuple, deliveries: np.ndarray | tuple[int, int]) -> None:
         """One batch to a worker (``deliveries``: as AugmentProcesses.submit takes
@@ -129,11 +182,6 @@ class AugmentProcessStage(AugmentStage):
             for delivery, result in results:
                 output.put_values(self.out_structure.flatten(result), seq=delivery, where="augment's result")
             self._workers.attach(output, output.fields, self.out_structure)
-
-    def next(self, timeout_s: float | None = None) -> Batch:
-        if not self._replay:
-            self._go.set()  # the replays (this stage's and the delivery's, handed out first) are done
-        return super().next(timeout_s)
 
     def read_batch(self, ids: dict[str, np.ndarray]) -> Batch:
         """The output batch of rows ``ids``, augmented again by a worker (a resume's replay)."""

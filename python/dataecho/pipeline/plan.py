@@ -231,8 +231,8 @@ def _augment(config: LoaderConfig, exact: bool) -> AugmentSpec:
     return AugmentSpec(
         augment=config.augment, takes_rng=takes_rng, seed=config.seed, rank=config.shard.rank,
         # num_workers=0 reads inline; augment still runs on threads (2 when num_workers is not given),
-        # or worker processes, which one thread of the training process feeds.
-        threads=1 if processes else workers, processes=processes, start_method=config.start_method, exact=exact,
+        # or worker processes, which the consumer's thread feeds.
+        threads=0 if processes else workers, processes=processes, start_method=config.start_method, exact=exact,
         capacity=max(4 * config.batch_size, 256), batch_size=config.batch_size, drop_last=config.drop_last,
         prefetch=config.prefetch, deterministic=config.deterministic, in_order=config.in_order,
         declared_ragged=config.ragged, ragged_bytes=config.ragged_bytes, pinned_batches=_pinned_batches(config),

@@ -4,13 +4,17 @@ the batches to augment (as block numbers and offsets of the staging blocks,
 dataecho.workers.staging) and to assemble the results that the workers put,
 numbered by delivery, into the output buffer's shared region.
 
-A monitor thread watches every worker's result pipe and process sentinel, as
-for the reading workers (dataecho.workers.processes): a worker's exception,
-or its death (killed, or an exit of its own), is the consumer's error within a
-fraction of a second; the staging blocks' names go once every worker has
-mapped them, the output region's once every worker has attached it. Each
-worker has at most two tasks in flight: the training process keeps the
-batches those tasks name (their memory) until the worker says "done".
+The workers' messages are read by whoever waits for them (:meth:`pump`): the
+consumer's thread, as it takes a batch, and no thread of its own, so that no
+Python of the loader runs beside the training step (each wake-up of such a
+thread would take the GIL from it). A monitor thread watches only the
+processes' sentinels: a worker's death (killed, or an exit of its own) is the
+consumer's error within a fraction of a second, and the exception a worker
+reported before it exited is read from its pipe then. The staging blocks'
+names go once every worker has mapped them, the output region's once every
+worker has attached it. Each worker has at most two tasks in flight: the
+training process keeps the batches those tasks name (their memory) until the
+worker says "done".
 
 With ``persistent_workers=True`` the processes outlive their epoch: one that
 ended with every task done hands them to the loader's pool
@@ -22,6 +26,7 @@ its staging blocks. Messages of an epoch carry its number, so that a late
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import pickle
 import selectors
 import signal
@@ -55,13 +60,14 @@ class AugmentProcesses:
     """
 
     def __init__(self, count: int, start_method: str, augment: Any, structure: Any, seed: int) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()  # reading the pipes, and the tasks in flight
         self._stop = threading.Event()
         self._epoch = 0
         self._monitor: threading.Thread | None = None
         self._failure, self._on_failure, self._on_done = Failure(), lambda: None, lambda task_id: None
         self._blocks: SharedBlocks | None = None
         self._output: Any = None
+        self._readable: dict[Any, int] = {}
         spawned = _spawn(count, start_method, augment, structure, seed)
         self._processes, self._pipes, self._tasks, self._lifeline = spawned
         self._reset()
@@ -88,6 +94,7 @@ class AugmentProcesses:
                 task.send_bytes(_pickled(("blocks", self._epoch, blocks.names, blocks.nbytes, rng_key)))
             except OSError:
                 return False
+        self._readable = {pipe: worker for worker, pipe in enumerate(self._pipes)}  # pipes not at their end
         self._monitor = threading.Thread(target=self._watch, name="dataecho-augment-monitor", daemon=True)
         self._monitor.start()
         return True
@@ -98,17 +105,26 @@ class AugmentProcesses:
         self._ready, self._attached = set[int](), set[int]()  # the workers that mapped the blocks, the output
         self._lost = False  # a worker died after the epoch was stopped
 
+    @property
+    def has_room(self) -> bool:
+        """A worker has fewer than its tasks in flight."""
+        return min(self._load) < _IN_FLIGHT
+
+    @property
+    def busy(self) -> bool:
+        """A task is in flight."""
+        return any(self._load)
+
     def submit(self, task_id: int, deliveries: Any, leaves: list, send_back: bool = False) -> None:
         """Hands a task (``deliveries``: an array, or ``(first, count)``) to the
-        least busy worker, waiting while all have theirs in flight.
+        least busy worker, waiting (reading the workers' messages) while all
+        have theirs in flight.
 
         Raises:
             BufferClosed: the epoch was stopped, or a worker failed (its error is in ``failure``).
         """
-        with self._cond:
-            while not self._cond.wait_for(self._idle_or_over, _POLL_S):
-                pass
-            self._raise_if_over()
+        self._wait_for(lambda: self.has_room)
+        with self._lock:
             worker = min(range(len(self._load)), key=lambda w: self._load[w])
             self._load[worker] += 1
         self._send(worker, ("task", task_id, deliveries, leaves, send_back))
@@ -119,12 +135,8 @@ class AugmentProcesses:
         Raises:
             BufferClosed: as for :meth:`submit`.
         """
-        with self._cond:
-            while not self._cond.wait_for(lambda: task_id in self._results or self._over(), _POLL_S):
-                pass
-            if task_id not in self._results:
-                self._raise_if_over()
-            return self._results.pop(task_id)
+        self._wait_for(lambda: task_id in self._results)
+        return self._results.pop(task_id)
 
     def attach(self, output: Any, fields: list, structure: Any) -> None:
         """Tells every worker the output buffer to put its results into."""
@@ -132,25 +144,38 @@ class AugmentProcesses:
         for worker in range(len(self._tasks)):
             self._send(worker, ("output", output.region_name, fields, structure))
 
-    def drain(self) -> None:
-        """Waits until no task is in flight (every result is in the output), or the epoch is over."""
-        with self._cond:
-            while not self._cond.wait_for(lambda: not any(self._load) or self._over(), _POLL_S):
-                pass
+    def _wait_for(self, done: Callable[[], bool]) -> None:
+        """Reads the workers' messages until ``done()``; BufferClosed once the epoch is over."""
+        if not self._pump_until(lambda: done() or self._over()) or not done():
+            raise BufferClosed("the epoch was stopped")
+
+    def _pump_until(self, done: Callable[[], bool], timeout_s: float | None = None) -> bool:
+        """Reads the workers' messages until ``done()`` (True) or ``timeout_s`` has passed (False)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not done():
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            self.pump(_POLL_S)
+        return True
+
+    def pump(self, timeout_s: float) -> None:
+        """Reads the messages the workers have sent (their "done"s above all),
+        waiting up to ``timeout_s`` for the first."""
+        with self._lock:
+            readable = list(self._readable)
+        if not readable:
+            return
+        for pipe in multiprocessing.connection.wait(readable, timeout_s):
+            with self._lock:
+                if pipe in self._readable:
+                    self._receive(pipe)
 
     def _settle(self, timeout_s: float) -> bool:
         """After a stop: waits up to ``timeout_s`` for the tasks in flight (their
         results dropped once the output is closed); False if a worker failed,
         died or is still busy."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while not self._cond.wait_for(self._settled, _POLL_S):
-                if time.monotonic() > deadline:
-                    return False
-            return not any(self._load) and self._failure.error is None and not self._lost
-
-    def _settled(self) -> bool:
-        return not any(self._load) or self._failure.error is not None or self._lost
+        self._pump_until(lambda: not self.busy or self._failure.error is not None or self._lost, timeout_s)
+        return not self.busy and self._failure.error is None and not self._lost
 
     def _send(self, worker: int, message: tuple) -> None:
         """Sends ``message`` to a worker; if it is gone, waits for the monitor
@@ -158,28 +183,18 @@ class AugmentProcesses:
         try:
             self._tasks[worker].send_bytes(_pickled(message))
         except OSError:
-            with self._cond:
-                self._cond.wait_for(lambda: self._failure.error is not None, _VERDICT_S)
+            self._pump_until(lambda: self._failure.error is not None, _VERDICT_S)
             if self._failure.error is None and self._failure.set(
                     RuntimeError(f"dataecho augment worker {worker} is gone; the epoch is stopped")):
                 self._on_failure()
             raise BufferClosed("an augment worker is gone") from None
 
-    def _idle_or_over(self) -> bool:
-        return min(self._load) < _IN_FLIGHT or self._over()
-
     def _over(self) -> bool:
         return self._stop.is_set() or self._failure.error is not None
-
-    def _raise_if_over(self) -> None:
-        if self._over():
-            raise BufferClosed("the epoch was stopped")
 
     def stop(self) -> None:
         """Stops the epoch's waits (the workers finish their tasks)."""
         self._stop.set()
-        with self._cond:
-            self._cond.notify_all()
 
     def end(self, timeout_s: float, keep: bool) -> bool:
         """Ends the epoch: with ``keep``, waits up to ``timeout_s`` for the
@@ -216,26 +231,22 @@ class AugmentProcesses:
             monitor.join(1.0)
 
     def _watch(self) -> None:
-        pipes = {pipe: i for i, pipe in enumerate(self._pipes)}
+        """The monitor: a worker that exits is the epoch's error (see :meth:`_exited`)."""
         sentinels = {p.sentinel: i for i, p in enumerate(self._processes)}
         with selectors.DefaultSelector() as selector:  # registered once: wait() would build one per call
-            for obj in [*pipes, *sentinels]:
-                selector.register(obj, selectors.EVENT_READ)
-            while (not self._stop.is_set() or any(self._load)) and self._failure.error is None and sentinels:
+            for sentinel in sentinels:
+                selector.register(sentinel, selectors.EVENT_READ)
+            while (not self._stop.is_set() or self.busy) and self._failure.error is None and sentinels:
                 for key, _ in selector.select(_POLL_S):
-                    if key.fileobj in pipes:
-                        self._receive(key.fileobj, pipes)
-                    elif key.fileobj in sentinels:
-                        self._exited(sentinels.pop(key.fileobj), pipes)
-                if len(selector.get_map()) > len(pipes) + len(sentinels):  # a pipe at its end, a process that exited
-                    for obj in [o for o in selector.get_map().values() if o.fileobj not in pipes | sentinels.keys()]:
-                        selector.unregister(obj.fileobj)
+                    self._exited(sentinels.pop(key.fileobj))
+                    selector.unregister(key.fileobj)
 
-    def _receive(self, pipe: Any, pipes: dict) -> None:
+    def _receive(self, pipe: Any) -> None:
+        """One message from a worker's pipe (under the lock)."""
         try:
             message = pipe.recv()
         except (EOFError, OSError):
-            pipes.pop(pipe)  # the worker exited; its sentinel says how
+            self._readable.pop(pipe, None)  # the worker exited; its sentinel says how
             return
         except Exception as error:  # results that do not unpickle here
             self._fail(TypeError(f"augment: a worker's results cannot be unpickled by the loader ({error})"))
@@ -244,12 +255,10 @@ class AugmentProcesses:
         if kind in ("ready", "attached") and message[2] == self._epoch:
             self._mapped(kind, worker)
         elif kind in ("done", "results"):
-            with self._cond:
-                self._load[worker] -= 1
-                if kind == "results":
-                    self._results[message[2]] = message[3]
-                self._cond.notify_all()
-            if kind == "done":
+            self._load[worker] -= 1
+            if kind == "results":
+                self._results[message[2]] = message[3]
+            else:
                 self._on_done(message[2])
         elif kind == "error":
             error = message[2]
@@ -268,17 +277,16 @@ class AugmentProcesses:
             if len(self._attached) == len(self._processes) and self._output is not None:
                 self._output.unlink_region()
 
-    def _exited(self, worker: int, pipes: dict) -> None:
+    def _exited(self, worker: int) -> None:
         process = self._processes[worker]
         process.join(0.1)
         pipe = self._pipes[worker]
-        while pipe in pipes and pipe.poll(0):  # a message still in the pipe has the first word
-            self._receive(pipe, pipes)
-        if self._stop.is_set() or self._failure.error is not None:
-            with self._cond:
+        with self._lock:
+            while pipe in self._readable and pipe.poll(0):  # a message still in the pipe has the first word
+                self._receive(pipe)
+            if self._stop.is_set() or self._failure.error is not None:
                 self._lost = True
-                self._cond.notify_all()
-            return
+                return
         code = process.exitcode
         killed = code is not None and code < 0
         how = f"was killed by {signal.Signals(-code).name}" if killed else f"exited (status {code})"
@@ -287,8 +295,6 @@ class AugmentProcesses:
     def _fail(self, error: BaseException) -> None:
         if self._failure.set(error):
             self._on_failure()
-        with self._cond:
-            self._cond.notify_all()
 
 
 def _pickled(message: tuple) -> bytes:
