@@ -123,18 +123,18 @@ class AugmentProcessStage(AugmentStage):
         while True:
             if self._stop.is_set() or self._failure.error is not None:
                 raise BufferClosed("the epoch was stopped")
-            self._feed()
-            idle, output = not self._workers.busy, self.output
-            if output is None and idle and self._upstream_over:
-                raise StopIteration  # nothing came from upstream
+            output = self.output
             if output is not None:
-                try:  # every result is in once idle at the upstream's end: wait for the last batches
-                    return output.next_arrays(_WAIT_S if idle and self._upstream_over else 0.0)
+                try:  # once closed, every result is in: wait for the last batches
+                    return output.next_arrays(_WAIT_S if self._closed else 0.0)
                 except TimeoutError:
                     pass
+            elif self._closed:
+                raise StopIteration  # nothing came from upstream
+            self._feed()
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError("no augmented batch came in time")
-            if not idle:
+            if self._workers.busy:
                 self._workers.pump(_WAIT_S)  # a "done" (output has grown, a worker has room) or an error
             elif not self._upstream_over:
                 self._hand_over_next(_WAIT_S)

@@ -26,8 +26,8 @@ its staging blocks. Messages of an epoch carry its number, so that a late
 from __future__ import annotations
 
 import multiprocessing
-import multiprocessing.connection
 import pickle
+import select
 import selectors
 import signal
 import threading
@@ -67,7 +67,8 @@ class AugmentProcesses:
         self._failure, self._on_failure, self._on_done = Failure(), lambda: None, lambda task_id: None
         self._blocks: SharedBlocks | None = None
         self._output: Any = None
-        self._readable: dict[Any, int] = {}
+        self._readable: dict[int, Any] = {}
+        self._poller: Any = None
         spawned = _spawn(count, start_method, augment, structure, seed)
         self._processes, self._pipes, self._tasks, self._lifeline = spawned
         self._reset()
@@ -94,7 +95,10 @@ class AugmentProcesses:
                 task.send_bytes(_pickled(("blocks", self._epoch, blocks.names, blocks.nbytes, rng_key)))
             except OSError:
                 return False
-        self._readable = {pipe: worker for worker, pipe in enumerate(self._pipes)}  # pipes not at their end
+        self._readable = {pipe.fileno(): pipe for pipe in self._pipes}  # the pipes not at their end, by descriptor
+        self._poller = select.poll()  # registered once: wait() would build a selector per call
+        for fd in self._readable:
+            self._poller.register(fd, select.POLLIN)
         self._monitor = threading.Thread(target=self._watch, name="dataecho-augment-monitor", daemon=True)
         self._monitor.start()
         return True
@@ -161,14 +165,11 @@ class AugmentProcesses:
     def pump(self, timeout_s: float) -> None:
         """Reads the messages the workers have sent (their "done"s above all),
         waiting up to ``timeout_s`` for the first."""
-        with self._lock:
-            readable = list(self._readable)
-        if not readable:
-            return
-        for pipe in multiprocessing.connection.wait(readable, timeout_s):
-            with self._lock:
-                if pipe in self._readable:
-                    self._receive(pipe)
+        with self._lock:  # one poller at a time: a poll object refuses two
+            if self._readable:
+                for fd, _ in self._poller.poll(timeout_s * 1000):
+                    if fd in self._readable:
+                        self._receive(self._readable[fd])
 
     def _settle(self, timeout_s: float) -> bool:
         """After a stop: waits up to ``timeout_s`` for the tasks in flight (their
@@ -246,7 +247,9 @@ class AugmentProcesses:
         try:
             message = pipe.recv()
         except (EOFError, OSError):
-            self._readable.pop(pipe, None)  # the worker exited; its sentinel says how
+            fd = pipe.fileno()  # the worker exited; its sentinel says how
+            if self._readable.pop(fd, None) is not None:
+                self._poller.unregister(fd)
             return
         except Exception as error:  # results that do not unpickle here
             self._fail(TypeError(f"augment: a worker's results cannot be unpickled by the loader ({error})"))
@@ -282,7 +285,7 @@ class AugmentProcesses:
         process.join(0.1)
         pipe = self._pipes[worker]
         with self._lock:
-            while pipe in self._readable and pipe.poll(0):  # a message still in the pipe has the first word
+            while pipe.fileno() in self._readable and pipe.poll(0):  # a message still in the pipe has the first word
                 self._receive(pipe)
             if self._stop.is_set() or self._failure.error is not None:
                 self._lost = True
