@@ -729,6 +729,20 @@ class AugmentDies:
         return example
 
 
+class AugmentStalls:
+    """An augment that, in each process, returns its first ``after`` examples at
+    once and then sleeps ``seconds`` on each."""
+
+    def __init__(self, after: int, seconds: float) -> None:
+        self.after, self.seconds, self.calls = after, seconds, 0
+
+    def __call__(self, example: dict[str, Any], rng: Any) -> dict[str, Any]:
+        self.calls += 1
+        if self.calls > self.after:
+            time.sleep(self.seconds)
+        return example
+
+
 class AugmentReshapes:
     """An augment that adds a leaf ``"extra"`` of 2 zeros, and of 3 for example ``at``."""
 

@@ -13,7 +13,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from support import AugmentDies, AugmentReshapes, Records, kill_owner, noisy_augment, with_pid
+from support import AugmentDies, AugmentReshapes, AugmentStalls, Records, kill_owner, noisy_augment, with_pid
 
 import dataecho
 
@@ -81,6 +81,18 @@ def test_an_augment_worker_that_dies_is_the_loops_error(how, message):
     with pytest.raises(RuntimeError, match=f"dataecho augment worker .* {message}"):
         for _ in loader:
             pass
+
+
+def test_timeout_holds_while_the_augment_workers_stall():
+    # Each worker augments two batches' rows at once, then stalls: the loop's own
+    # thread, which feeds the workers and waits for their results, keeps the timeout.
+    loader = make("process", augment=AugmentStalls(after=32, seconds=60.0), timeout=1.0)
+    taken = 0
+    with pytest.raises(RuntimeError, match=r"timed out after 1 seconds \(timeout=1\)"):
+        for _ in loader:
+            taken += 1
+    assert taken >= 1
+    loader.close()
 
 
 @pytest.mark.parametrize("augment_workers", ["thread", "process"])
