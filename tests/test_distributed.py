@@ -155,6 +155,30 @@ ELASTIC = {
 }
 
 
+@pytest.mark.parametrize("rebatched", [False, True])
+def test_new_ranks_are_given_equal_batch_counts_as_their_stages_batch(rebatched):
+    # Behind an augment stage (rebatched) every delivery is batched anew by its
+    # output buffer: a rank's partly delivered and fresh deliveries make one run
+    # of batches, not a short batch of the first and then batches of the second.
+    from dataecho.config.echo import exact_deliveries
+    from dataecho.pipeline.elastic import _share
+    from dataecho.reading.sharding import Shard
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        old, new, factor = int(rng.integers(1, 5)), int(rng.integers(1, 5)), float(rng.choice([1, 1.5, 2]))
+        owed = [(rng.permutation(1000)[:int(rng.integers(4, 60))],  # every new rank has examples of its own
+                 Counter({int(i): int(rng.integers(1, 3)) for i in rng.integers(1000, 2000, int(rng.integers(0, 30)))}))
+                for _ in range(old)]
+        counts = []
+        for rank in range(new):
+            given, fresh = _share(owed, Shard(rank, new), factor, 16, False, rebatched)
+            partly, fresh_deliveries = sum(count for _, count in given), exact_deliveries(len(fresh), factor)
+            counts.append(-(-(partly + fresh_deliveries) // 16) if rebatched
+                          else -(-partly // 16) + -(-fresh_deliveries // 16))
+        assert len(set(counts)) == 1, counts
+
+
 @pytest.mark.parametrize("old,new", [(2, 4), (4, 2)])
 @pytest.mark.parametrize("case", list(ELASTIC))
 def test_a_job_resumes_mid_epoch_under_another_world_size(old, new, case):

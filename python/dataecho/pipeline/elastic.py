@@ -74,7 +74,8 @@ def redistributed(states: list, config: Any, checked_for: Callable[[dict, Any], 
         raise ValueError("load_state_dict: a job that echoes whole batches (echo_at='batch') resumes mid-epoch on "
                          "the same number of ranks only; resume it at an epoch boundary")
     owed = [_owed(c["stages"], order) for c, order in zip(checked, orders)]
-    mine = _share(owed, config.shard, config.echo.factor, config.batch_size, config.drop_last)
+    mine = _share(owed, config.shard, config.echo.factor, config.batch_size, config.drop_last,
+                  rebatched=config.augment is not None)
     stages = {"intake": _intake_state(mine, max(c["stages"]["intake"].get("ragged_bytes", 0) for c in checked),
                                       config.batch_size, config.echo.factor)}
     if config.augment is not None:
@@ -123,8 +124,10 @@ def _owed(stages: dict, order: np.ndarray) -> tuple[np.ndarray, Counter]:
     return unread, partly
 
 
-def _share(owed: list, shard: Shard, factor: float, batch_size: int, drop_last: bool) -> tuple[list, np.ndarray]:
-    """This new rank's (partly delivered (index, deliveries) pairs, unread indices)."""
+def _share(owed: list, shard: Shard, factor: float, batch_size: int, drop_last: bool,
+           rebatched: bool) -> tuple[list, np.ndarray]:
+    """This new rank's (partly delivered (index, deliveries) pairs, unread indices);
+    ``rebatched``: as for :func:`_pad`."""
     world = shard.world_size
     unread = np.concatenate([u for u, _ in owed]) if owed else np.zeros(0, np.int64)
     fresh = [unread[rank::world] for rank in range(world)]
@@ -137,18 +140,25 @@ def _share(owed: list, shard: Shard, factor: float, batch_size: int, drop_last: 
         rank = min(range(world), key=lambda r: (totals[r], r))
         given[rank].append((index, partly[index]))
         totals[rank] += partly[index]
-    _pad(given, fresh, factor, batch_size, drop_last)
+    _pad(given, fresh, factor, batch_size, drop_last, rebatched)
     return given[shard.rank], fresh[shard.rank]
 
 
-def _pad(given: list, fresh: list, factor: float, batch_size: int, drop_last: bool) -> None:
+def _pad(given: list, fresh: list, factor: float, batch_size: int, drop_last: bool, rebatched: bool) -> None:
     """Gives ranks with fewer batches one more delivery of an example at a
-    time (of their own, as a distributed sampler pads) until all have as many."""
+    time (of their own, as a distributed sampler pads) until all have as many.
+    A rank yields its partly delivered examples' batches (the last possibly
+    short), then its fresh deliveries' batches; ``rebatched`` (an augment stage
+    batches every delivery anew through its output buffer): all its deliveries,
+    as one run of batches."""
     rounding = math.floor if drop_last else math.ceil
 
     def batches(rank: int) -> int:
         owed = sum(count for _, count in given[rank])
-        return -(-owed // batch_size) + rounding(exact_deliveries(len(fresh[rank]), factor) / batch_size)
+        fresh_deliveries = exact_deliveries(len(fresh[rank]), factor)
+        if rebatched:
+            return rounding((owed + fresh_deliveries) / batch_size)
+        return -(-owed // batch_size) + rounding(fresh_deliveries / batch_size)
 
     most = max(batches(rank) for rank in range(len(given)))
     for rank in range(len(given)):
