@@ -134,11 +134,7 @@ class AugmentProcesses:
         self._send(worker, ("task", task_id, deliveries, leaves, send_back))
 
     def results(self, task_id: int) -> list:
-        """Waits for the results a task sent back: [(delivery, result), ...].
-
-        Raises:
-            BufferClosed: as for :meth:`submit`.
-        """
+        """Waits for the results a task sent back: [(delivery, result), ...] (BufferClosed as for :meth:`submit`)."""
         self._wait_for(lambda: task_id in self._results)
         return self._results.pop(task_id)
 
@@ -150,7 +146,7 @@ class AugmentProcesses:
 
     def _wait_for(self, done: Callable[[], bool]) -> None:
         """Reads the workers' messages until ``done()``; BufferClosed once the epoch is over."""
-        if not self._pump_until(lambda: done() or self._over()) or not done():
+        if not self._pump_until(lambda: done() or self._stop.is_set() or self._failure.error is not None) or not done():
             raise BufferClosed("the epoch was stopped")
 
     def _pump_until(self, done: Callable[[], bool], timeout_s: float | None = None) -> bool:
@@ -170,6 +166,10 @@ class AugmentProcesses:
                 for fd, _ in self._poller.poll(timeout_s * 1000):
                     if fd in self._readable:
                         self._receive(self._readable[fd])
+                return
+            monitor = self._monitor
+        if monitor is not None and monitor is not threading.current_thread():
+            monitor.join(timeout_s)  # every worker is gone: what is left is the monitor's verdict on it
 
     def _settle(self, timeout_s: float) -> bool:
         """After a stop: waits up to ``timeout_s`` for the tasks in flight (their
@@ -189,9 +189,6 @@ class AugmentProcesses:
                     RuntimeError(f"dataecho augment worker {worker} is gone; the epoch is stopped")):
                 self._on_failure()
             raise BufferClosed("an augment worker is gone") from None
-
-    def _over(self) -> bool:
-        return self._stop.is_set() or self._failure.error is not None
 
     def stop(self) -> None:
         """Stops the epoch's waits (the workers finish their tasks)."""
