@@ -270,3 +270,40 @@ def test_interpreter_exits_with_producers_blocked():
     result = run_python(code, timeout=10)
     assert result.returncode == 0, result.stderr
     assert "terminate called" not in result.stderr and "Fatal" not in result.stderr
+
+
+def test_a_put_that_the_stop_at_exit_releases_waits_for_the_exit(monkeypatch):
+    # At interpreter exit the buffers are stopped before the interpreter finalizes:
+    # a daemon producer blocked in put() then waits (bounded) for finalization,
+    # which ends it quietly, instead of printing a BufferClosed traceback over the exit.
+    from dataecho.native import buffer as native
+
+    buf = id_buffer(capacity=2, batch_size=1, echo_factor=1)
+    for i in range(100):  # full: slots and prefetched batches (nobody takes them)
+        try:
+            buf.put(one(i), timeout=0.05)
+        except TimeoutError:
+            break
+    outcome: list[str] = []
+
+    def produce() -> None:
+        try:
+            buf.put(one(1000))
+            outcome.append("put")
+        except dataecho.BufferClosed:
+            outcome.append("raised")
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    producer.join(0.2)
+    assert producer.is_alive(), "the put did not block on a full buffer"
+    monkeypatch.setattr(native, "_EXIT_PARK_S", 3.0)
+    native._exiting.set()
+    try:
+        buf._native.shut_down()  # what the exit hook does to every buffer
+        producer.join(0.5)
+        assert producer.is_alive() and not outcome, f"the released put did not wait for the exit: {outcome}"
+        producer.join(30)
+        assert outcome == ["raised"], "the wait for the exit is bounded"
+    finally:
+        native._exiting.clear()

@@ -30,7 +30,8 @@ from . import _checks, _core
 from .examples.fields import Field, field_value, parse_fields, to_field_array
 from .examples.ragged import Ragged
 from .examples.tree import key_mismatch
-from .native.buffer import NativeBuffer, put_many_error
+from .errors import BufferClosed
+from .native.buffer import NativeBuffer, park_if_exiting, put_many_error
 from .native.sizing import buffer_config, page_heap
 
 __all__ = ["ShuffleBuffer"]
@@ -168,7 +169,11 @@ class ShuffleBuffer:
             TypeError, ValueError, OverflowError: the example does not fit.
         """
         self._native.check_process()
-        self._native.put_arrays(self._arrays(example, None, "put()"), _checks.timeout(timeout))
+        try:
+            self._native.put_arrays(self._arrays(example, None, "put()"), _checks.timeout(timeout))
+        except BufferClosed:
+            park_if_exiting()
+            raise
 
     def put_many(self, examples: Any, timeout: float | None = None) -> None:
         """Puts n stacked examples (leading axis n) into the buffer (copied,
@@ -186,6 +191,13 @@ class ShuffleBuffer:
             TypeError, ValueError, OverflowError: the examples do not fit.
         """
         self._native.check_process()
+        try:
+            self._put_many(examples, timeout)
+        except BufferClosed:
+            park_if_exiting()
+            raise
+
+    def _put_many(self, examples: Any, timeout: float | None) -> None:
         rows = _rows(examples, self._fields, self._single)
         if rows == 0:
             return

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import threading
 import weakref
 from typing import Any
 
@@ -276,7 +277,23 @@ def _forget_after_fork() -> None:
         buffer.forget_after_fork()
 
 
+# Set at interpreter exit, before every buffer is stopped (see park_if_exiting).
+_exiting = threading.Event()
+_EXIT_PARK_S = 10.0
+
+
+def park_if_exiting() -> None:
+    """Called where a public put found its buffer closed. If the stop at
+    interpreter exit closed it, and this is not the main thread (a daemon
+    producer of the user's), waits for the interpreter to finalize, which ends
+    the thread quietly, instead of raising a traceback over the exit; bounded,
+    so that a thread joined by a later exit handler still ends."""
+    if _exiting.is_set() and threading.current_thread() is not threading.main_thread():
+        threading.Event().wait(_EXIT_PARK_S)
+
+
 def _stop_all() -> None:
+    _exiting.set()
     for buffer in list(_live):
         buffer.shut_down()
 
