@@ -751,3 +751,34 @@ class AugmentReshapes:
 
     def __call__(self, example: dict[str, Any], rng: Any) -> dict[str, Any]:
         return {**example, "extra": np.zeros(3 if int(example["id"]) == self.at else 2, np.float32)}
+
+
+# ---- states of the composed pipelines (dataecho.grain, dataecho.nodes) ----
+
+
+def intake_of(state: dict[str, Any]) -> dict[str, Any]:
+    """The echo buffer's intake in an echo step's state (the EchoLoader's state, kept as one JSON string)."""
+    import json
+
+    return json.loads(state["echo"]["loader"])["stages"]["intake"]
+
+
+def structure_of_state(value: Any) -> Any:
+    """The keys and types of a state, recursively (a list's length included)."""
+    if isinstance(value, dict):
+        return {key: structure_of_state(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [type(value).__name__, *map(structure_of_state, value)]
+    return type(value).__name__
+
+
+def losses(trials: int, seed: int, trial: Callable[[Any], set]) -> dict[int, int]:
+    """Runs ``trial(rng)`` (which returns the ids a trial lost) ``trials`` times
+    from one seeded generator; the trials that lost some, with how many."""
+    rng = np.random.default_rng(seed)
+    lost = {}
+    for number in range(trials):
+        missing = trial(rng)
+        if missing:
+            lost[number] = len(missing)
+    return lost

@@ -124,16 +124,18 @@ def test_two_processes_on_gloo(tmp_path):
 # ---- resuming under another world size ----
 
 
-def run_job(world_size, states=None, cut=None, epochs=1, **kwargs):
+def run_job(world_size, states=None, cut=None, epochs=1, json_states=False, **kwargs):
     """Every rank of a job (explicit ranks, one process): each loads `states`
-    (every old rank's) where given, and either stops after `cut` batches (then
-    returns their states) or runs `epochs`. Returns (delivered ids, states, batches per rank)."""
-    seen, saved, lengths = Counter(), [], []
+    (a state, or every old rank's) where given, and either stops after `cut`
+    batches (then returns their states) or runs `epochs`. Returns (delivered
+    ids, states, batches per rank, len() per rank as it was after loading)."""
+    seen, saved, lengths, sizes = Counter(), [], [], []
     for rank in range(world_size):
         loader = dataecho.EchoLoader(np.arange(1001), batch_size=16, rank=rank, world_size=world_size,
                                      shuffle_buffer=64, **kwargs)
         if states is not None:
-            loader.load_state_dict(states)
+            loader.load_state_dict(json.loads(json.dumps(states)) if json_states else states)
+        sizes.append(len(loader) if not kwargs.get("echo_factor") == "auto" else None)
         batches = 0
         for _ in range(epochs if cut is None else 1):
             for batch in loader:
@@ -144,7 +146,7 @@ def run_job(world_size, states=None, cut=None, epochs=1, **kwargs):
         saved.append(pickle.loads(pickle.dumps(loader.state_dict())))
         lengths.append(batches)
         loader.close()
-    return seen, saved, lengths
+    return seen, saved, lengths, sizes
 
 
 ELASTIC = {
@@ -155,28 +157,33 @@ ELASTIC = {
 }
 
 
-@pytest.mark.parametrize("rebatched", [False, True])
-def test_new_ranks_are_given_equal_batch_counts_as_their_stages_batch(rebatched):
-    # Behind an augment stage (rebatched) every delivery is batched anew by its
-    # output buffer: a rank's partly delivered and fresh deliveries make one run
-    # of batches, not a short batch of the first and then batches of the second.
-    from dataecho.config.echo import exact_deliveries
-    from dataecho.pipeline.elastic import _share
-    from dataecho.reading.sharding import Shard
+def test_dealing_out_an_epochs_rest_gives_every_new_rank_as_many_batches():
+    # What a job had not delivered, dealt out over the ranks of another: every
+    # new rank yields as many batches, every example gets what it is owed (a
+    # fresh one its echo count by its new position), and only a few deliveries
+    # pad the ranks short of the most (fewer than a batch and an entry each). 64 ranks for a
+    # few owed deliveries too: no rank is left without a batch.
+    from dataecho.pipeline import elastic
+    from dataecho.pipeline.replay import Ledger
 
     rng = np.random.default_rng(0)
-    for _ in range(200):
-        old, new, factor = int(rng.integers(1, 5)), int(rng.integers(1, 5)), float(rng.choice([1, 1.5, 2]))
-        owed = [(rng.permutation(1000)[:int(rng.integers(4, 60))],  # every new rank has examples of its own
-                 Counter({int(i): int(rng.integers(1, 3)) for i in rng.integers(1000, 2000, int(rng.integers(0, 30)))}))
-                for _ in range(old)]
-        counts = []
-        for rank in range(new):
-            given, fresh = _share(owed, Shard(rank, new), factor, 16, False, rebatched)
-            partly, fresh_deliveries = sum(count for _, count in given), exact_deliveries(len(fresh), factor)
-            counts.append(-(-(partly + fresh_deliveries) // 16) if rebatched
-                          else -(-partly // 16) + -(-fresh_deliveries // 16))
-        assert len(set(counts)) == 1, counts
+    for trial in range(300):
+        n, world = int(rng.integers(1, 300)), int(rng.choice([1, 2, 3, 4, 7, 64]))
+        factor, batch = float(rng.choice([1, 1.5, 2, 3])), int(rng.choice([1, 4, 16]))
+        target = rng.permutation(elastic.counts_by_position(0, n, factor))
+        delivered = np.where(rng.random(n) < 0.5, 0, rng.integers(0, target + 1))
+        dealing = elastic.Dealing(world, batch, factor, bool(rng.integers(2)), int(rng.choice([2 * batch, 64, 4096])),
+                                  seed=trial, epoch=0, segment=1, augmented=bool(rng.integers(2)))
+        ledger = Ledger(target, delivered)
+        starts = elastic.dealt(ledger, dealing)
+        counts = {elastic.start_batches(start, dealing) for start in starts}
+        assert len(counts) == 1, (trial, counts)
+        given, owed = elastic.assigned(starts, dealing, n), ledger.owed
+        partly, fresh = (delivered > 0) & (owed > 0), (delivered == 0) & (owed > 0)
+        assert (given[partly] >= owed[partly]).all() and (given[fresh] >= int(factor)).all(), trial
+        needed = owed[partly].sum() + elastic.counts_by_position(0, fresh.sum(), factor).sum()
+        # Entries of up to ceil(e) deliveries (and fresh examples of e) leave ranks that far apart at most.
+        assert given.sum() - needed < world * (batch + -(-factor // 1)), (trial, given.sum(), needed)
 
 
 @pytest.mark.parametrize("old,new", [(2, 4), (4, 2)])
@@ -184,9 +191,10 @@ def test_new_ranks_are_given_equal_batch_counts_as_their_stages_batch(rebatched)
 def test_a_job_resumes_mid_epoch_under_another_world_size(old, new, case):
     kwargs = ELASTIC[case]
     factor = kwargs["echo_factor"]
-    before, states, _ = run_job(old, cut=9, **kwargs)
-    after, _, lengths = run_job(new, states=states, **kwargs)
+    before, states, _, _ = run_job(old, cut=9, **kwargs)
+    after, _, lengths, sizes = run_job(new, states=states, **kwargs)
     assert len(set(lengths)) == 1, f"every new rank yields as many batches: {lengths}"
+    assert [9 + n for n in lengths] == sizes, "len() counts the batches of the epoch in all, the old job's included"
     counts = before + after
     assert set(counts) == set(range(1001))
     low, high = int(factor), -(-factor // 1)
@@ -201,18 +209,48 @@ def test_a_job_resumes_mid_epoch_under_another_world_size(old, new, case):
 
 
 def test_a_job_resumes_at_an_epoch_boundary_under_another_world_size():
-    _, states, _ = run_job(2, echo_factor=1, num_workers=2)
+    _, states, _, _ = run_job(2, echo_factor=1, num_workers=2)
     assert all(s["epoch"] == 1 and s["stages"] is None for s in states)
-    after, resumed, _ = run_job(4, states=states, echo_factor=1, num_workers=2)
+    after, resumed, _, _ = run_job(4, states=states, echo_factor=1, num_workers=2)
     assert sorted(after) == list(range(1001)) and all(s["epoch"] == 2 for s in resumed)
 
 
-def test_a_state_of_another_world_size_alone_is_refused_saying_what_to_pass():
-    _, states, _ = run_job(2, cut=3, echo_factor=2)
-    loader = dataecho.EchoLoader(np.arange(1001), batch_size=16, rank=0, world_size=4, shuffle_buffer=64,
-                                 echo_factor=2)
-    with pytest.raises(ValueError, match="world_size=2, but this loader has world_size=4.*every rank's state"):
+@pytest.mark.parametrize("old,new", [(2, 4), (4, 2), (3, 3)])
+def test_any_one_state_resumes_every_rank_of_a_job_of_any_world_size(old, new):
+    # Lightning, Accelerate and HF Trainer save rank 0's checkpoint alone: each
+    # rank's position follows from it (the seed, the epoch, the world sizes and
+    # the batches delivered). Any one state resumes what the list of every
+    # rank's resumes, through JSON too.
+    kwargs = {"echo_factor": 1.5, "num_workers": 2, "seed": 5}
+    _, states, _, _ = run_job(old, cut=7, **kwargs)
+    whole, _, whole_lengths, _ = run_job(new, states=states, **kwargs)
+    for state in states:
+        seen, _, lengths, sizes = run_job(new, states=state, json_states=True, **kwargs)
+        assert seen == whole and lengths == whole_lengths and [7 + n for n in lengths] == sizes
+
+
+def test_any_rank_resumes_its_own_rest_of_the_epoch_from_rank_0s_state():
+    kwargs = {"echo_factor": 2, "augment": lambda x, rng: x, "num_workers": 1}
+    ranks = [dataecho.EchoLoader(np.arange(1001), batch_size=16, rank=r, world_size=2, shuffle_buffer=64, **kwargs)
+             for r in range(2)]
+    whole = [[b.tolist() for b in loader] for loader in ranks]
+    _, states, _, _ = run_job(2, cut=11, **kwargs)
+    for rank, loader in enumerate(ranks):
         loader.load_state_dict(states[0])
+        assert len(loader) == len(whole[rank])
+        assert [b.tolist() for b in loader] == whole[rank][11:], f"rank {rank}"
+
+
+def test_a_rank_whose_position_cannot_be_worked_out_says_to_load_its_own_state():
+    sampler = list(range(0, 1001, 2))
+    saving = dataecho.EchoLoader(np.arange(1001), batch_size=16, rank=0, world_size=2, sampler=sampler)
+    epoch = iter(saving)
+    next(epoch)
+    state = saving.state_dict()
+    loader = dataecho.EchoLoader(np.arange(1001), batch_size=16, rank=1, world_size=2, sampler=sampler)
+    with pytest.raises(ValueError, match="saved by rank 0 of 2, but this loader is rank 1 of 2.*load each rank's own"):
+        loader.load_state_dict(state)
+    _, states, _, _ = run_job(2, cut=3, echo_factor=2)
     with pytest.raises(ValueError, match="the states of all 2 ranks"):
         loader.load_state_dict(states[:1] + states[:1])
 

@@ -4,13 +4,16 @@ pattern, on the id/payload examples of support.py."""
 
 from __future__ import annotations
 
+import json
+import time
 from collections import Counter
 from typing import Any, Iterator
 
 import numpy as np
 import pytest
 
-from support import check_exact, check_no_repeats_in_batches, checked_ids, counts, one, payload_of
+from support import (check_exact, check_no_repeats_in_batches, checked_ids, counts, intake_of, losses, one,
+                     payload_of, structure_of_state)
 
 nodes = pytest.importorskip("torchdata.nodes")
 import torch  # noqa: E402  (torchdata needs it)
@@ -44,6 +47,7 @@ def ids(item: Any) -> list[int]:
 
 def epoch_ids(loader: Loader) -> list[list[int]]:
     return [ids(item) for item in loader]
+
 
 
 @pytest.mark.parametrize("echo_factor", [1, 2, 3, 1.5])
@@ -127,6 +131,24 @@ def test_save_and_load_with_batcher_after_and_parallel_mapper_before(midpoint):
     check_save_load(Batcher(echo(2, upstream=upstream), batch_size=8, drop_last=False), midpoint)
 
 
+
+@pytest.mark.parametrize("echo_factor, batch_size", [(2, None), (1.5, 8), ("auto", 8)])
+def test_the_echo_state_has_one_structure_at_every_item_of_two_epochs(echo_factor, batch_size):
+    node = echo(echo_factor, batch_size)
+    echoes = []
+    for _ in range(2):
+        node.reset()
+        echoes.append(node.state_dict()["echo"])
+        for _ in node:
+            echoes.append(node.state_dict()["echo"])
+        echoes.append(node.state_dict()["echo"])
+    assert len(echoes) >= 2 * (N // 8 + 2), "a state before every item of two epochs and after their last"
+    # The source's state is the source's own: the echo's has one structure throughout.
+    expected = {"epoch": "int", "ended": "bool", "loader": "str"}
+    other = [i for i, state in enumerate(echoes) if structure_of_state(state) != expected]
+    assert not other, f"echo states of another structure at items {other[:5]} (of 0 to {len(echoes) - 1})"
+
+
 class CountingRange:
     """A Stateful iterable (torchdata's protocol: ``state_dict``/``load_state_dict``),
     which ``IterableWrapper`` restores by its state instead of reading it again;
@@ -165,7 +187,7 @@ def test_reset_restarts_a_stateful_upstream_from_the_state_it_nests():
     node.reset()
     seen = [ids(next(node)) for _ in range(4000)]
     state = node.state_dict()
-    restart = state["echo"]["loader"]["stages"]["intake"]["restart"]["position"]
+    restart = intake_of(state)["restart"]["position"]
     assert state["source"] == {"_num_yielded": restart, "iterable": {"next": restart}}, \
         "the upstream node's own state, where the echo's reading must begin again"
     resumed = make()
@@ -180,7 +202,7 @@ def test_auto_resumes_from_where_the_source_had_been_read():
     node.reset()
     seen = Counter(i for _ in range(10) for i in ids(next(node)))
     state = node.state_dict()
-    read = state["echo"]["loader"]["stages"]["intake"]["skip"]
+    read = intake_of(state)["skip"]
     resumed = echo("auto", batch_size=8, max_echo=3.0)
     with pytest.warns(UserWarning, match=f"skips the {read} examples"):
         resumed.reset(state)
@@ -201,6 +223,37 @@ def test_bad_arguments_and_states_are_named():
         node.reset({"_num_yielded": 3})
     with pytest.raises(ValueError, match=r"initial_state\['echo'\]"):
         node.reset({"source": {}, "echo": {"epoch": 0}})
+    good = node.state_dict()
+    with pytest.raises(ValueError, match=r"initial_state\['echo'\]\['loader'\]: expected .* JSON string"):
+        node.reset({**good, "echo": {**good["echo"], "loader": json.loads(good["echo"]["loader"])}})
+    with pytest.raises(ValueError, match=r"initial_state\['echo'\]\['loader'\]: not the EchoLoader's state"):
+        node.reset({**good, "echo": {**good["echo"], "loader": "{not json"}})
     state = Loader(echo(2)).state_dict()["root"]
     with pytest.raises(ValueError, match="saved with echo_factor=2"):
         echo(3).reset(state)
+
+
+TRIALS = 25
+
+
+def slow_one(i: int) -> dict:
+    """An example made slowly enough that the echo's reading thread is mid-read when the consumer leaves."""
+    time.sleep(0.0002)
+    return one(i)
+
+
+@pytest.mark.parametrize("batch_size", [None, 8])
+def test_an_epoch_left_early_leaves_the_next_epoch_whole_with_auto(batch_size):
+    # With "auto" the echo reads on a thread of its own: the epoch left early
+    # must stop reading before the source is reset for the next one, or that
+    # thread takes the next epoch's first examples.
+    def trial(rng: np.random.Generator) -> set:
+        node = echo("auto", batch_size, upstream=Mapper(IterableWrapper(range(N)), slow_one), max_echo=2.0)
+        node.reset()
+        for _ in range(int(rng.integers(1, 6))):
+            next(node)
+        node.reset(None)
+        return set(range(N)) - {i for item in node for i in ids(item)}
+
+    lost = losses(TRIALS, 11, trial)
+    assert not lost, f"epoch 1 lost examples in {len(lost)} of {TRIALS} trials (seed 11), per trial: {lost}"

@@ -36,15 +36,19 @@ class EchoIterDataset(grain.IterDataset):
     ``"auto"``, on one thread of the iterator's own (whether the loop would
     wait shows only while reading goes on beside it).
 
-    Its iterator's ``get_state()`` is ``{"parent": ..., "echo": ...}``:
+    Its iterator's ``get_state()`` is ``{"parent": ..., "echo": ...}``, of
+    one structure from before the first element to after the last (as Grain
+    asks):
 
     - ``parent``: the parent iterator's own ``get_state()``, taken before the
       earliest example the echo state names (or where the parent stood, before
       the first example or after the last);
-    - ``echo``: the echo step's own, in JSON values: its RNG counter, and the
-      examples resident in the buffer and in batches on their way, named by
-      their position in the parent's iteration, with their remaining echoes;
-      never the examples themselves (see dataecho.echo_step).
+    - ``echo``: the echo step's own, ``{"epoch": int, "ended": bool,
+      "loader": str}``: ``loader`` is the EchoLoader's state as one JSON
+      string (its RNG counter, and the examples resident in the buffer and in
+      batches on their way, named by their position in the parent's
+      iteration, with their remaining echoes; never the examples themselves:
+      see dataecho.echo_step), since its shape changes as examples come and go.
 
     ``set_state()`` puts the parent in its state and reads it from there up to
     where the echo state stood, keeping the examples it names: for a
@@ -53,7 +57,7 @@ class EchoIterDataset(grain.IterDataset):
     ``"auto"`` echoes by timing: a resume goes on from where the parent had
     been read, and the examples resident then are not delivered again.
 
-    ``get_state()`` costs about 0.1 us and 17 bytes of JSON per resident
+    ``get_state()`` costs about 0.3 us and 15 bytes of JSON per resident
     example: Grain's ``mp_prefetch`` takes one per element, so put it upstream
     of the echo (where the slow work is), not after it.
 

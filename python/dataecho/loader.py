@@ -28,11 +28,12 @@ from . import _core
 from .config.loader_config import LoaderConfig, loader_config
 from .examples.described import describe, described
 from .examples.structure import Structure
-from .pipeline.checkpoint import FORMAT
 from .pipeline.epoch import Epoch
 from .pipeline.job import Job
 from .pipeline.numbering import EpochNumbers
 from .pipeline.plan import plan
+from .pipeline.position import Envelope, LoaderPosition, envelope_of
+from .pipeline.replay import replayed_stages
 from .pipeline.resume import resumed
 from .pipeline.stats import Totals
 from .reading.order import LoaderSampler
@@ -174,13 +175,12 @@ class EchoLoader:
         self._plan = plan(self.config)
         self._structure: Structure | None = None
         self._numbers = EpochNumbers()
-        self._resume: dict[str, Any] | None = None  # from load_state_dict, for the next epoch
+        self._position = LoaderPosition()  # for checkpoints: a loaded state, where an epoch left
         # Weakly: an epoch nobody iterates any more is collected, and stops.
         self._current_ref: Callable[[], Epoch | None] = lambda: None
         self._totals = Totals()
         self._starting = threading.Lock()
         self._job = Job()  # this loader's part of a data-parallel job
-        self._left: dict[str, Any] | None = None  # where an epoch left part-way stood (Epoch.__del__)
         self._pool = WorkerPool() if self.config.keeps_workers else None
         self._memory = _core.BlockCache()  # the echo buffer's memory, from one epoch to the next
 
@@ -212,13 +212,10 @@ class EchoLoader:
             current = self._current
             if current is not None:
                 current.supersede()  # if it yielded nothing, it gives back its number and resume state
-            self._left = None  # the position of an epoch left part-way is forgotten once another starts
-            config = self._job.follow(self.config)
-            if config is not self.config:  # another part of the job: the epochs are planned again
-                self.config, self._plan = config, plan(config)
-            resume, self._resume = self._resume, None
+            _follow_job(self)
+            resume = self._position.begin()  # where an epoch left part-way is forgotten once another starts
             epoch = Epoch(self._plan, self._numbers.next, self._structure, resume["stages"] if resume else None,
-                          functools.partial(_ended, self, resume), owner=self, pool=self._pool,
+                          functools.partial(_ended, self), owner=self, pool=self._pool,
                           memory=self._memory, on_structure=functools.partial(_learned, weakref.ref(self)),
                           group=self._job.group(self._plan))
             self._current_ref = weakref.ref(epoch)
@@ -228,12 +225,16 @@ class EchoLoader:
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch the next ``iter(loader)`` runs, and every later one until
         set again (see dataecho.pipeline.numbering.EpochNumbers); a ``sampler`` with
-        ``set_epoch`` is given the number too, and so is a ``batch_sampler`` with one."""
+        ``set_epoch`` is given the number too, and so is a ``batch_sampler`` with one.
+        Called after ``iter(loader)`` but before its first batch (as Lightning
+        does), it applies to that epoch; after ``load_state_dict``, see
+        dataecho.pipeline.position."""
         number = self._numbers.set(epoch)
         for sampler in (self.config.sampler, self.config.batch_sampler):
             set_sampler_epoch = getattr(sampler, "set_epoch", None)
             if callable(set_sampler_epoch):
                 set_sampler_epoch(number)
+        _renumber(self, number)
 
     @property
     def next_epoch(self) -> int:
@@ -258,38 +259,34 @@ class EchoLoader:
             ValueError: a loader whose position cannot be saved mid-epoch (the
                 message says why).
         """
-        if self._resume is not None:
-            return dict(self._resume)  # loaded, not started yet
-        current = self._current
-        if current is None and self._left is not None:  # a loop left with `break`: where it stood
-            return dict(self._left)
-        state = _envelope(self, self._numbers.next, None)
-        if current is not None:
-            state["epoch"] = current.epoch
-            state["stages"] = current.state()
-        return state
+        return self._position.state(_envelope(self), self._current, self._numbers.next,
+                                    functools.partial(_length, self), self.config.shard.world_size)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resumes from ``state_dict()``'s result at the next ``iter(loader)``;
-        the current epoch, if any, is stopped.
+        the current epoch, if any, is stopped. Any rank's state, of a job of
+        this or another world size, or the list of every rank's (where a
+        rank's own is needed: dataecho.pipeline.resume).
 
         Raises:
             TypeError, ValueError: a state that is not one, or was saved by a
                 loader with other arguments that decide the batches (named).
         """
-        config, planned, checked = resumed(self.config, self._plan, state)
+        config = self._job.follow(self.config, starting=False)
+        config, planned, checked = resumed(config, self._plan if config is self.config else plan(config), state)
         self.close()
         self.config, self._plan = config, planned
         if checked["structure"] is not None:
             self._structure = described(checked["structure"], "state['structure']")
         self._numbers.next = checked["epoch"]
-        self._resume = checked
+        self._position.load(checked, state)
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (see dataecho.pipeline.plan), on the
         part of the job ``torch.distributed`` says now where none was given."""
         config = self._job.follow(self.config, starting=False)
-        return (self._plan if config is self.config else plan(config)).batches_per_epoch()
+        planned = self._plan if config is self.config else plan(config)
+        return self._position.epoch_length(config, planned, self._current is not None)
 
     def close(self) -> None:
         """Stops the current epoch and every worker; iterating again starts a new epoch."""
@@ -322,11 +319,41 @@ def _release(kept: dict[str, Any]) -> None:
         kept["_memory"].clear()
 
 
-def _envelope(loader: EchoLoader, epoch: int, stages: dict[str, Any] | None) -> dict[str, Any]:
-    """A state of ``loader`` (see dataecho.pipeline.checkpoint)."""
-    structure = None if loader._structure is None else describe(loader._structure)
-    return {"format": FORMAT, "epoch": epoch, "config": loader.config.fingerprint(), "structure": structure,
-            "stages": stages}
+def _envelope(loader: EchoLoader) -> Envelope:
+    """The envelope of ``loader``'s states (see dataecho.pipeline.checkpoint)."""
+    return envelope_of(loader.config.fingerprint(), None if loader._structure is None else describe(loader._structure))
+
+
+def _length(loader: EchoLoader, epoch: int, history: list) -> int | None:
+    """Batches of ``epoch`` on this rank in all, or None where not known."""
+    try:
+        return loader._position.length(loader.config, loader._plan, epoch, history)
+    except TypeError:
+        return None
+
+
+def _renumber(loader: EchoLoader, number: int) -> None:
+    """``set_epoch(number)``: the epoch started, if it took no batch yet, runs
+    epoch ``number`` instead; else a loaded state moves to it (dataecho.pipeline.position)."""
+    current, position = loader._current, loader._position
+    if current is not None and current.taken == 0 and current.epoch != number:
+        resume = position.rebegin(number, loader.config, loader._plan)
+        if current.renumber(number, resume["stages"] if resume else None):
+            loader._numbers.started()
+    else:
+        position.set_epoch(number, loader.config, loader._plan)
+
+
+def _follow_job(loader: EchoLoader) -> None:
+    """As an epoch starts: the loader on the part of the job ``torch.distributed``
+    says now (its epochs planned again where that changed, and a state loaded
+    for another part loaded again for this one)."""
+    config = loader._job.follow(loader.config)
+    if config is not loader.config:
+        loader.config, loader._plan = config, plan(config)
+        if loader._position.pending is not None:
+            loader.config, loader._plan, checked = resumed(config, loader._plan, loader._position.raw)
+            loader._position.load(checked, loader._position.raw)
 
 
 def _learned(loader_ref: Callable[[], EchoLoader | None], structure: Structure) -> None:
@@ -336,14 +363,27 @@ def _learned(loader_ref: Callable[[], EchoLoader | None], structure: Structure) 
         loader._structure = structure
 
 
-def _ended(loader: EchoLoader, resume: dict[str, Any] | None, counters: dict[str, Any], workers: list,
-           left: dict[str, Any] | None) -> None:
-    """An epoch of ``loader`` ended; ``resume``: the checkpoint it started from,
-    if any; ``left``: where it stood if its consumer left it part-way."""
+def _ended(loader: EchoLoader, counters: dict[str, Any], workers: list, left: dict[str, Any] | None) -> None:
+    """An epoch of ``loader`` ended; ``left``: where it stood if its consumer left it part-way."""
     loader._totals.add(counters, workers)
-    if left is not None:
-        loader._left = _envelope(loader, counters["epoch"], left)
+    config = loader.config
+    loader._position.ended(_envelope(loader), counters["epoch"], config.shard.world_size, counters["batches"],
+                           counters["state"], left, functools.partial(_replayed, config, counters["epoch"]),
+                           config.replayable)
     if counters["batches"] == 0 and counters["state"] == "stopped":  # as if never started
         loader._numbers.give_back(counters["epoch"])
-        if resume is not None and loader._resume is None:
-            loader._resume = resume
+        loader._position.give_back()
+
+
+def _replayed(config: LoaderConfig, epoch: int, history: list) -> dict[str, Any] | None:
+    """Where an epoch that failed stood after its last batch (dataecho.pipeline.replay).
+
+    Raises:
+        ValueError: where that cannot be worked out.
+    """
+    if not config.replayable:
+        raise ValueError(
+            "state_dict: the epoch ended on an error after some batches, and where it stood then can be worked "
+            "out only for a map-style dataset read in dataecho's own order (no sampler) with deterministic "
+            "reading; resume from a state saved before the error")
+    return replayed_stages(config, epoch, history)

@@ -30,10 +30,11 @@ class Echo(BaseNode):
     ``batch_size`` it yields the batches the buffer assembles natively
     (stacked leaves; no example twice in a batch while a batch of them is
     resident, which ``"auto"`` may not keep once the loop outruns the
-    source). ``reset()`` starts the next epoch, with new echo seeds, after
-    ``source.reset()``. The source is read in the thread that calls
-    ``next()``; with ``"auto"``, on one thread of the node's own (whether the
-    loop would wait shows only while reading goes on beside it).
+    source). ``reset()`` starts the next epoch, with new echo seeds: it stops
+    the epoch being read, then resets the source. The source is read in the
+    thread that calls ``next()``; with ``"auto"``, on one thread of the
+    node's own (whether the loop would wait shows only while reading goes on
+    beside it).
 
     Its state (``state_dict()``) nests the source's, as torchdata's nodes do:
     ``{"source": ..., "echo": ...}``:
@@ -41,10 +42,13 @@ class Echo(BaseNode):
     - ``source``: the source node's own ``state_dict()``, taken before the
       earliest example the echo state names (or where the source stood,
       before the epoch's first example or after its last);
-    - ``echo``: the node's own, in plain values: the epoch, the RNG counter,
-      and the examples resident in the buffer and in batches on their way,
-      named by their position in the source's iteration, with their
-      remaining echoes; never the examples themselves (see dataecho.echo_step).
+    - ``echo``: the node's own, ``{"epoch": int, "ended": bool, "loader":
+      str}``, of one structure at every item: ``loader`` is the EchoLoader's
+      state as one JSON string (the RNG counter, and the examples resident in
+      the buffer and in batches on their way, named by their position in the
+      source's iteration, with their remaining echoes; never the examples
+      themselves: see dataecho.echo_step), since its shape changes as
+      examples come and go.
 
     ``reset(state)`` resets the source to its state and reads it from there up
     to where the echo state stood, keeping the examples it names: for a
@@ -53,7 +57,7 @@ class Echo(BaseNode):
     source had been read, and the examples resident then are not delivered
     again.
 
-    A state costs about 0.1 us per resident example: a ``Prefetcher`` or
+    A state costs about 0.3 us per resident example: a ``Prefetcher`` or
     ``ParallelMapper`` after the echo takes one per item it passes on (its
     ``snapshot_frequency``), so put them upstream of it, or raise that.
 
@@ -95,8 +99,8 @@ class Echo(BaseNode):
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         if initial_state is None:
-            self.source.reset(None)
-            self._step.begin(self._step.epoch + 1 if self._step.begun else 0)
+            # The source is reset only once the epoch being read has stopped (begin's `restart`).
+            self._step.begin(self._step.epoch + 1 if self._step.begun else 0, lambda: self.source.reset(None))
             return
         if not isinstance(initial_state, dict) or not {self.SOURCE_KEY, self.ECHO_KEY} <= set(initial_state):
             raise ValueError(f"initial_state: expected a dict with {self.SOURCE_KEY!r} and {self.ECHO_KEY!r}, as "

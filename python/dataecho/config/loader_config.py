@@ -132,6 +132,16 @@ class LoaderConfig:
         """
         return dataclasses.replace(self, seed=_checks.seed(seed, "state['config']['seed']"))
 
+    @property
+    def replayable(self) -> bool:
+        """Where an epoch stands after any number of batches follows from the
+        seed, the epoch, the rank and the world size alone, without its
+        examples: a map-style source in dataecho's own order (no sampler),
+        read deterministically, with an ``augment`` keyed by delivery if any
+        (dataecho.pipeline.replay)."""
+        return (self.exact_checkpoint and self.map_style and self.sampler is None and self.batch_sampler is None
+                and (self.augment is None or self.augment_takes_rng))
+
     def fingerprint(self) -> dict[str, Any]:
         """What decides the sequence of batches, besides the source's contents:
         a checkpoint resumes only a loader with the same values."""

@@ -1,11 +1,16 @@
 """EchoLoader checkpoints: the envelope of what ``state_dict()`` holds, its
 check, and the pieces every stage's own check is made of.
 
-A state is a dict of ints, bools, dicts and NumPy arrays (picklable;
-``torch.save`` takes it as it is). Examples are named, never stored:
+A state is made of Python ints, floats, strings, bools, None, lists and dicts
+alone (:func:`plain`): JSON, ``torch.load`` with ``weights_only=True``,
+``torch.distributed.checkpoint`` and Orbax take it as it is. Examples are
+named by position, never stored:
 
-    format   "dataecho.EchoLoader/4"; a state of another format is refused
+    format   "dataecho.EchoLoader/5"; a state of another format is refused
     epoch    the epoch to resume (or to start, when ``stages`` is None)
+    history  how the epoch was delivered so far (dataecho.pipeline.replay):
+             ``[[world_size, batches], ...]``, one pair per job that delivered
+             a part of it, the last this one; [] at the epoch's start
     config   the arguments that decide the sequence of batches (seed, rank,
              world_size, the source's length, the sampler's and batch
              sampler's types, batch_size, echo_factor, echo_at,
@@ -52,9 +57,10 @@ import numpy as np
 from ..examples.described import described
 
 __all__ = ["FORMAT", "Iterated", "StateCheck", "array_at", "at", "batches_at", "bool_at", "check_state", "compact",
-           "dict_at", "earliest", "ids_of", "int_at", "mapping", "named_rows", "prune", "with_restart"]
+           "dict_at", "earliest", "history_of", "ids_of", "int_at", "mapping", "named_rows", "plain", "prune", "read_to_named",
+           "with_restart"]
 
-FORMAT = "dataecho.EchoLoader/4"
+FORMAT = "dataecho.EchoLoader/5"
 
 # A stage's check, bound to its spec: (its saved state, the epoch's order, where, for messages) -> the
 # state normalized.
@@ -95,12 +101,17 @@ def check_state(state: Any, fingerprint: dict[str, Any], checks: dict[str, State
     structure = state.get("structure")
     if structure is not None:
         described(structure, "state['structure']")  # checked here; the loader takes it from the description
-    out = {"format": FORMAT, "epoch": epoch, "config": dict(fingerprint), "stages": None, "structure": structure}
+    out = {"format": FORMAT, "epoch": epoch, "config": dict(fingerprint), "stages": None, "structure": structure,
+           "history": []}
     stages = state.get("stages")
     if stages is None:
         return out
     if not isinstance(stages, dict):
         raise ValueError("state['stages']: expected a dict or None")
+    out["history"] = history_of(state.get("history"), "state['history']")
+    if not out["history"] or out["history"][-1][0] != fingerprint["world_size"]:
+        raise ValueError(f"state['history']: expected its last job to have this state's world_size "
+                         f"({fingerprint['world_size']}), got {out['history']!r:.120}")
     intake = dict_at(stages, "intake", "state['stages']")
     if mode == "skip":
         out["stages"] = {"intake": {"skip": int_at(intake, "skip", at("intake"))}}
@@ -126,6 +137,32 @@ def _restart(restart: Any, most: int) -> dict[str, Any]:
     if "state" not in restart:
         raise ValueError(f"{where}: expected the iterable's state under 'state'")
     return {"position": int_at(restart, "position", where, at_most=most), "state": restart["state"]}
+
+
+def history_of(value: Any, where: str) -> list[list[int]]:
+    """A state's ``history`` (see the module docstring), checked.
+
+    Raises:
+        ValueError: not a list of ``[world_size >= 1, batches >= 0]`` pairs.
+    """
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(item, (list, tuple)) and len(item) == 2
+            and all(isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_)) for n in item)
+            and item[0] >= 1 and item[1] >= 0 for item in value):
+        raise ValueError(f"{where}: expected a list of [world_size, batches] pairs, got {value!r:.120}")
+    return [[int(world), int(batches)] for world, batches in value]
+
+
+def plain(value: Any) -> Any:
+    """``value`` in plain values (dicts, lists, str, int, float, bool, None), as
+    JSON keeps them: arrays become lists, NumPy scalars Python numbers."""
+    if isinstance(value, dict):
+        return {key: plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(item) for item in value]
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value.tolist()
+    return value
 
 
 class Iterated:
@@ -185,6 +222,16 @@ def with_restart(stages: dict[str, Any] | None, marks: Any) -> dict[str, Any] | 
     mark = marks.at_or_before(earliest(stages)) if stages is not None and marks is not None else None
     if mark is not None:
         stages["intake"]["restart"] = {"position": mark.position, "state": mark.state}
+    return stages
+
+
+def read_to_named(stages: dict[str, Any] | None) -> dict[str, Any] | None:
+    """An iterable's epoch state (``{stage name: state}``, or None) whose
+    intake has ended: its ``next_seq`` set to just after the last position any
+    stage names (an ended assembler no longer says how far it read), which is
+    as far as a resume must read the iterable again."""
+    if stages is not None and stages["intake"].get("ended"):
+        stages["intake"]["next_seq"] = max((int(rows.max()) + 1 for rows in _named(stages) if len(rows)), default=0)
     return stages
 
 

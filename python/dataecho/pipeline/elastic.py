@@ -1,190 +1,214 @@
-"""Resuming under another world size: every rank's state of a job of ``W1``
-ranks, spread over the ``W2`` ranks of the job that resumes it.
+"""Resuming under another world size: what a job of ``W1`` ranks had not yet
+delivered of an epoch, dealt out over the ``W2`` ranks of the job that
+resumes it.
 
-Mid-epoch, what each old rank had still to deliver is gathered by dataset
-index, from its state (checked as that rank would check it):
+What was delivered follows from any one rank's state (dataecho.pipeline.replay
+replays every old rank's batches), as a :class:`~dataecho.pipeline.replay.Ledger`
+by dataset index: the deliveries each index is to have in the epoch, and those
+it had. Then, seeded by (seed, epoch, job):
 
-- its *unread* examples (positions at and after its intake's ``next_seq``),
-  each still owed its full echo count;
-- its *partly delivered* ones: each resident example's remaining echoes, and
-  one delivery per row of every batch on its way (assembled, being augmented,
-  in flight to the device).
+- an index never delivered is *fresh*: it is dealt to one new rank, whose echo
+  buffer reads it as any fresh example (its echo count by its new position:
+  ``echo_factor`` for a whole factor, ``floor`` or ``ceil`` of it for a
+  fractional one);
+- an index delivered part of its count is *partly delivered*: all of its
+  remaining deliveries go to one new rank (in entries of at most
+  ``ceil(echo_factor)``), where they start resident in the echo buffer with
+  those counts, mixed by the buffer's shuffle with the fresh ones; where more
+  are owed than the buffer holds, the rest come first, as full batches.
 
-The unread examples are dealt round robin to the new ranks, which echo them as
-any fresh examples (exact counts by position). The partly delivered ones go,
-whole (all of an index's remaining deliveries to one rank), to the rank with
-the fewest deliveries so far, and are delivered first, as batches of their
-remaining deliveries (an example at most once per such batch, the last one
-possibly short). Each new rank's epoch is then its partly delivered examples
-followed by its unread ones: a state of its own (an ``order`` and those
-batches), which it checks and loads as any state. So across the two jobs every
-example of the epoch is delivered its count: exactly ``echo_factor`` times for
-a whole factor, ``floor`` or ``ceil`` of it for a fractional one, as always.
-Where that leaves the new ranks with different numbers of batches, the ranks
-with fewer deliver a few examples once more (fewer than a batch's worth each),
-as a distributed sampler pads its shards, so that a data-parallel job does
-not hang. At an epoch boundary nothing is owed: the next epoch is planned for
-the new world size.
-
-Map-style sources with exact states only (deterministic reading, the
-default), and example echoing (``echo_at="batch"`` repeats whole batches,
-which cannot be dealt out example by example).
+Entries are dealt so that every new rank has about the same number of
+deliveries; a rank then short of the others' number of batches delivers a few
+examples once more (fewer than a batch's worth, its own where it has any), as
+a distributed sampler pads its shards: every new rank yields the same number
+of batches, and across the two jobs every example has its count (those few
+one more). Each new rank's start is a state of its own (an ``order``, its
+resident examples, its queued batches), which it checks and loads as any
+state. Only example echoing: whole batches cannot be dealt out example by
+example.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from ..config.echo import exact_deliveries
-from ..reading.sharding import Shard
-from .checkpoint import FORMAT
+__all__ = ["Dealing", "assigned", "batches_of", "counts_by_position", "dealt", "start_batches"]
 
-__all__ = ["redistributed"]
+_PAD_ROUNDS = 64  # a bound on padding passes (each adds a delivery to every rank short of the most)
 
 
-def redistributed(states: list, config: Any, checked_for: Callable[[dict, Any], dict]) -> dict[str, Any]:
-    """This rank's state for the epoch that every rank's ``states`` left.
+@dataclass(frozen=True)
+class Dealing:
+    """What dealing out an epoch's rest needs: the new job's ``world_size``,
+    its ranks' ``batch_size``, ``factor`` (echo), ``drop_last``, the echo
+    buffer's ``capacity``, and the seed, epoch and ``segment`` (the job's
+    place in the epoch's history) that seed it; ``augmented``: an augment
+    stage follows the intake."""
 
-    Args:
-        states: every old rank's ``state_dict()``, in any order.
-        config: this loader's configuration (its rank and world size are the new ones).
-        checked_for: checks one old state as a loader of the given configuration
-            would (dataecho.pipeline.resume), returning it normalized and the
-            epoch's order that rank read.
-
-    Raises:
-        TypeError, ValueError: not every rank's state of one job and one epoch,
-            or a job that cannot be spread (naming why).
-    """
-    olds = _old_states(states)
-    world = len(olds)
-    first = olds[0]
-    seed = first["config"]["seed"]
-    envelope = {"format": FORMAT, "epoch": first["epoch"], "structure": first.get("structure"), "stages": None}
-    if first.get("stages") is None:
-        return {**envelope, "config": {**first["config"], "rank": config.shard.rank,
-                                       "world_size": config.shard.world_size}}
-    old_configs = [config.with_shard(Shard(rank, world)).with_seed(seed) for rank in range(world)]
-    checked, orders = zip(*(checked_for(state, old) for state, old in zip(olds, old_configs)))
-    if any("batch_echo" in c["stages"] for c in checked):
-        raise ValueError("load_state_dict: a job that echoes whole batches (echo_at='batch') resumes mid-epoch on "
-                         "the same number of ranks only; resume it at an epoch boundary")
-    owed = [_owed(c["stages"], order) for c, order in zip(checked, orders)]
-    mine = _share(owed, config.shard, config.echo.factor, config.batch_size, config.drop_last,
-                  rebatched=config.augment is not None)
-    stages = {"intake": _intake_state(mine, max(c["stages"]["intake"].get("ragged_bytes", 0) for c in checked),
-                                      config.batch_size, config.echo.factor)}
-    if config.augment is not None:
-        stages["augment"] = {"taken": 0, "output": None, "queued": [],
-                             "pending": {"deliveries": np.zeros(0, np.uint64), "rows": np.zeros(0, np.uint64)}}
-    stages["delivery"] = {"in_flight": []}
-    new_config = config.with_seed(seed).fingerprint()
-    return {**envelope, "config": new_config, "stages": stages}
+    world_size: int
+    batch_size: int
+    factor: float
+    drop_last: bool
+    capacity: int
+    seed: int
+    epoch: int
+    segment: int
+    augmented: bool
 
 
-def _old_states(states: list) -> list[dict]:
-    """The old ranks' states, by rank, checked to be one job's at one epoch."""
-    if not states or not all(isinstance(s, dict) and isinstance(s.get("config"), dict) for s in states):
-        raise TypeError("state: expected every rank's state_dict() (a list of dicts), got something else")
-    world = len(states)
-    ranks = sorted(s["config"].get("rank") for s in states)
-    if ranks != list(range(world)) or any(s["config"].get("world_size") != world for s in states):
-        raise ValueError(f"state: expected the states of all {world} ranks of one job (ranks 0 to {world - 1}, "
-                         f"each once, world_size {world}), got ranks {ranks}")
-    by_rank = sorted(states, key=lambda s: s["config"]["rank"])
-    keys = {k for s in by_rank for k in s["config"]} - {"rank", "world_size"}
-    for key in keys:
-        if len({repr(s["config"].get(key)) for s in by_rank}) != 1:
-            raise ValueError(f"state: the ranks' states differ in {key}; expected the states of one job")
-    if len({s.get("epoch") for s in by_rank}) != 1 or len({s.get("stages") is None for s in by_rank}) != 1:
-        raise ValueError("state: the ranks' states were taken at different epochs or points; take them at the "
-                         "same step on every rank")
-    return by_rank
+def counts_by_position(first: int, count: int, factor: float) -> np.ndarray:
+    """Deliveries of positions ``first`` to ``first + count - 1`` of an order
+    with exact echo counts (the native ``EchoCounts::by_seq``)."""
+    whole = math.floor(factor)
+    fraction = factor - whole
+    positions = np.arange(first, first + count, dtype=np.float64)
+    return (whole + np.floor((positions + 1) * fraction) - np.floor(positions * fraction)).astype(np.int64)
 
 
-def _owed(stages: dict, order: np.ndarray) -> tuple[np.ndarray, Counter]:
-    """(unread dataset indices, deliveries owed per partly delivered index) of
-    one old rank, whose epoch read ``order``."""
-    intake = stages["intake"]
-    unread = np.asarray(order[intake["next_seq"]:], dtype=np.int64)
-    partly: Counter = Counter()
-    for index, echoes in zip(intake["indices"].tolist(), intake["echoes"].tolist()):
-        partly[index] += echoes
-    rows = [b["rows"] for b in intake["queued"]]
-    augment = stages.get("augment")
-    if augment is not None:
-        rows += [augment["pending"]["rows"]] + [b["rows"] for b in augment["queued"]]
-    rows += [b["rows"] for b in stages.get("delivery", {}).get("in_flight", [])]
-    for batch in rows:
-        partly.update(np.asarray(order)[batch.astype(np.int64)].tolist())
-    return unread, partly
+def dealt(ledger: Any, dealing: Dealing) -> list[dict[str, Any]]:
+    """Every new rank's start ({stage name: state}), by rank: what ``ledger``
+    says is owed, dealt out (see the module docstring)."""
+    rng = np.random.default_rng(np.random.SeedSequence([dealing.seed, dealing.epoch, dealing.segment, 0x5EA1]))
+    owed, delivered = ledger.owed, ledger.delivered
+    fresh = rng.permutation(np.flatnonzero((delivered == 0) & (owed > 0)))
+    most = math.ceil(dealing.factor)
+    partly = [(int(index), min(most, int(owed[index]) - start))
+              for index in np.flatnonzero((delivered > 0) & (owed > 0)).tolist()
+              for start in range(0, int(owed[index]), most)]
+    partly = [partly[i] for i in rng.permutation(len(partly))]
+    ranks = _deal(partly, fresh, dealing)
+    _pad(ranks, owed, dealing)
+    return [_start(entries, own_fresh, dealing) for entries, own_fresh in ranks]
 
 
-def _share(owed: list, shard: Shard, factor: float, batch_size: int, drop_last: bool,
-           rebatched: bool) -> tuple[list, np.ndarray]:
-    """This new rank's (partly delivered (index, deliveries) pairs, unread indices);
-    ``rebatched``: as for :func:`_pad`."""
-    world = shard.world_size
-    unread = np.concatenate([u for u, _ in owed]) if owed else np.zeros(0, np.int64)
-    fresh = [unread[rank::world] for rank in range(world)]
-    partly: Counter = Counter()
-    for _, counts in owed:
-        partly.update(counts)
-    given: list[list] = [[] for _ in range(world)]
-    totals = [exact_deliveries(len(f), factor) for f in fresh]
-    for index in sorted(partly, key=lambda i: (-partly[i], i)):  # the largest first: the totals end up level
-        rank = min(range(world), key=lambda r: (totals[r], r))
-        given[rank].append((index, partly[index]))
-        totals[rank] += partly[index]
-    _pad(given, fresh, factor, batch_size, drop_last, rebatched)
-    return given[shard.rank], fresh[shard.rank]
+def _deal(partly: list, fresh: np.ndarray, dealing: Dealing) -> list[tuple[list, np.ndarray]]:
+    """(partly delivered entries, fresh indices) per new rank: the entries to
+    whoever has the fewest deliveries, then the fresh indices so as to level
+    every rank's deliveries."""
+    world = dealing.world_size
+    loads = [0] * world
+    entries: list[list] = [[] for _ in range(world)]
+    for entry in partly:
+        rank = min(range(world), key=lambda r: (loads[r], r))
+        entries[rank].append(entry)
+        loads[rank] += entry[1]
+    level = (sum(loads) + len(fresh) * dealing.factor) / world
+    wanted = [max(0.0, (level - load) / dealing.factor) for load in loads]
+    share = np.floor(wanted).astype(np.int64)
+    short = len(fresh) - int(share.sum())
+    for rank in np.argsort([share[r] - wanted[r] for r in range(world)], kind="stable")[:max(0, short)]:
+        share[rank] += 1  # the largest remainders first
+    while share.sum() > len(fresh):  # rounding gave out more than there is
+        share[int(np.argmax(share))] -= 1
+    bounds = np.concatenate([[0], np.cumsum(share)])
+    return [(entries[r], fresh[bounds[r]:bounds[r + 1]]) for r in range(world)]
 
 
-def _pad(given: list, fresh: list, factor: float, batch_size: int, drop_last: bool, rebatched: bool) -> None:
-    """Gives ranks with fewer batches one more delivery of an example at a
-    time (of their own, as a distributed sampler pads) until all have as many.
-    A rank yields its partly delivered examples' batches (the last possibly
-    short), then its fresh deliveries' batches; ``rebatched`` (an augment stage
-    batches every delivery anew through its output buffer): all its deliveries,
-    as one run of batches."""
-    rounding = math.floor if drop_last else math.ceil
-
-    def batches(rank: int) -> int:
-        owed = sum(count for _, count in given[rank])
-        fresh_deliveries = exact_deliveries(len(fresh[rank]), factor)
-        if rebatched:
-            return rounding((owed + fresh_deliveries) / batch_size)
-        return -(-owed // batch_size) + rounding(fresh_deliveries / batch_size)
-
-    most = max(batches(rank) for rank in range(len(given)))
-    for rank in range(len(given)):
-        pool = [index for index, _ in given[rank]] + fresh[rank].tolist()
-        while pool and batches(rank) < most:  # an empty rank has nothing of its own to repeat
-            given[rank].append((pool[len(given[rank]) % len(pool)], 1))
+def deliveries_between(first: int, count: int, factor: float) -> int:
+    """The sum of :func:`counts_by_position` (its terms telescope)."""
+    whole = math.floor(factor)
+    fraction = factor - whole
+    end = float(first + count)
+    return count * whole + int(math.floor(end * fraction) - math.floor(float(first) * fraction))
 
 
-def _batches_of(given: list, batch_size: int) -> list[list[int]]:
-    """The deliveries owed to ``given`` (the example at position p is
-    ``given[p]``) as batches of positions: round by round (every example owing
-    a k-th delivery, in order), so an example is in a batch at most once while
-    a round fills a batch; the last batch may be short."""
-    most = max((count for _, count in given), default=0)
-    flat = [p for k in range(most) for p, (_, count) in enumerate(given) if count > k]
-    return [flat[i:i + batch_size] for i in range(0, len(flat), batch_size)]
+def _total(entries: list, fresh: np.ndarray, factor: float) -> int:
+    """A rank's deliveries: its entries', and its fresh indices' by their positions after them."""
+    return sum(count for _, count in entries) + deliveries_between(len(entries), len(fresh), factor)
 
 
-def _intake_state(mine: tuple, ragged_bytes: int, batch_size: int, factor: float) -> dict[str, Any]:
-    """An intake state that owes exactly ``mine``: its partly delivered examples
-    at the first positions of its order, queued as batches, and its unread ones
-    after them."""
-    given, fresh = mine
-    order = np.concatenate([np.array([index for index, _ in given], dtype=np.int64), fresh])
+def batches_of(deliveries: int, dealing: Dealing) -> int:
+    """The batches a rank with ``deliveries`` yields (one run of them)."""
+    rounding = math.floor if dealing.drop_last else math.ceil
+    return rounding(deliveries / dealing.batch_size)
+
+
+def _pad(ranks: list[tuple[list, np.ndarray]], owed: np.ndarray, dealing: Dealing) -> None:
+    """Adds deliveries of one example (the rank's own, else any owed one) to
+    the ranks with fewer batches than the most, until all have as many: one
+    more for an entry that has fewer than ``ceil(echo_factor)`` (which moves
+    nothing), else a new entry of one (which moves the fresh examples one
+    position on: their counts by position may change by one, either way)."""
+    most_echoes = math.ceil(dealing.factor)
+    pool = np.flatnonzero(owed > 0)
+    pool = pool if len(pool) else np.arange(len(owed))
+    for _ in range(_PAD_ROUNDS * dealing.batch_size):
+        batches = [batches_of(_total(e, f, dealing.factor), dealing) for e, f in ranks]
+        most = max(batches)
+        short = [r for r in range(len(ranks)) if batches[r] < most]
+        if not short:
+            return
+        for rank in short:
+            entries, fresh = ranks[rank]
+            bumped = next((i for i in range(len(entries) - 1, -1, -1) if entries[i][1] < most_echoes), None)
+            if bumped is not None:
+                entries[bumped] = (entries[bumped][0], entries[bumped][1] + 1)
+                continue
+            own = [index for index, _ in entries] + fresh.tolist()
+            source = own if own else pool.tolist()
+            entries.append((int(source[len(entries) % len(source)]), 1))
+    raise RuntimeError("elastic resume: the new ranks' batch counts did not level")  # a bug, not an input
+
+
+def _start(entries: list, fresh: np.ndarray, dealing: Dealing) -> dict[str, Any]:
+    """A new rank's start: its entries at the first positions of its order
+    (resident in the echo buffer, those beyond its capacity queued first as
+    full batches), its fresh indices after them."""
+    order = np.concatenate([np.array([index for index, _ in entries], dtype=np.int64), fresh.astype(np.int64)])
+    echoes = np.array([count for _, count in entries], dtype=np.int64)
+    resident = min(len(entries), dealing.capacity)
+    queued = _overflow(echoes, resident, dealing.batch_size)
+    kept = np.flatnonzero(echoes[:resident] > 0)
     empty = np.zeros(0, dtype=np.uint64)
-    queued = [{"rows": np.array(batch, dtype=np.uint64)} for batch in _batches_of(given, batch_size)]
-    return {"batches": 0, "rng_state": 0, "next_seq": len(given), "available": 0, "positions": empty,
-            "indices": empty.astype(np.int64), "echoes": empty.astype(np.uint32), "queued": queued,
-            "ended": False, "ragged_bytes": ragged_bytes, "order": order}
+    intake = {"batches": 0, "rng_state": 0, "next_seq": len(entries), "available": len(kept),
+              "positions": kept.astype(np.uint64), "indices": order[kept], "echoes": echoes[kept].astype(np.uint32),
+              "queued": queued, "ended": False, "order": order}
+    stages: dict[str, Any] = {"intake": intake}
+    if dealing.augmented:
+        stages["augment"] = {"taken": 0, "output": None, "queued": [],
+                             "pending": {"deliveries": empty, "rows": empty}}
+    stages["delivery"] = {"in_flight": []}
+    return stages
+
+
+def _overflow(echoes: np.ndarray, resident: int, batch_size: int) -> list[dict[str, np.ndarray]]:
+    """The deliveries of the entries at positions ``resident`` and after, as
+    full batches of positions, round by round (an entry at most once a round);
+    a last batch short of full takes one delivery each of resident entries
+    (``echoes`` is lowered for them). Empties the overflow entries' echoes."""
+    if resident == len(echoes):
+        return []
+    rows = [p for k in range(int(echoes[resident:].max())) for p in range(resident, len(echoes)) if echoes[p] > k]
+    echoes[resident:] = 0
+    short = -len(rows) % batch_size
+    for p in np.flatnonzero(echoes[:resident] > 0)[:short].tolist():
+        rows.append(p)
+        echoes[p] -= 1
+    return [{"rows": np.array(rows[i:i + batch_size], dtype=np.uint64)} for i in range(0, len(rows), batch_size)]
+
+
+def assigned(starts: list[dict[str, Any]], dealing: Dealing, length: int) -> np.ndarray:
+    """The deliveries the new ranks' ``starts`` owe, by dataset index."""
+    total = np.zeros(length, np.int64)
+    for stages in starts:
+        intake = stages["intake"]
+        order = intake["order"]
+        np.add.at(total, order[intake["positions"].astype(np.int64)], intake["echoes"].astype(np.int64))
+        for batch in intake["queued"]:
+            np.add.at(total, order[batch["rows"].astype(np.int64)], 1)
+        first = int(intake["next_seq"])
+        np.add.at(total, order[first:], counts_by_position(first, len(order) - first, dealing.factor))
+    return total
+
+
+def start_batches(stages: dict[str, Any], dealing: Dealing) -> int:
+    """The batches a new rank yields from its start ``stages``."""
+    intake = stages["intake"]
+    first = int(intake["next_seq"])
+    deliveries = (int(intake["echoes"].sum()) + sum(len(b["rows"]) for b in intake["queued"])
+                  + deliveries_between(first, len(intake["order"]) - first, dealing.factor))
+    return batches_of(deliveries, dealing)

@@ -1,19 +1,17 @@
 """One pass over the source: the iterator ``iter(EchoLoader)`` returns.
 
-Where the examples' structure is known (a later epoch), or the intake learns
-it itself (a batch sampler's, from its first batch), the epoch has
-:func:`dataecho.pipeline.chain.build_chain` start the stages of its plan at
-once. Otherwise its workers start reading the first examples
-(dataecho.workers.probe) and the first ``next()`` learns the structure from
-them and builds the chain; with ``num_workers=0`` that ``next()`` reads them
-itself. Either way no user code runs in ``iter(loader)``'s thread, and an error
-in the first reads, or a timeout, comes from ``next()``, as with DataLoader.
-The epoch then pulls batches from the last stage, timing the waits. It stops and joins the stages, last to
-first, at the end, on an error, on ``close()``, or when it is dropped (a loop
-left early). Its state for a checkpoint is ``{stage name: stage.state()}``,
-and for an iterable that can restart, where to restart it
-(dataecho.reading.restart): the epoch is what sees every stage's names, so it
-adds that to the intake's state, and drops the marks that no state needs.
+Its stages run in :class:`dataecho.pipeline.epoch_stages.EpochStages`, which
+builds them at once where the examples' structure is known, or at the first
+``next()`` once the first examples told it: no user code runs in
+``iter(loader)``'s thread, and an error in the first reads, or a timeout,
+comes from ``next()``, as with DataLoader. The epoch pulls batches from the
+last stage, timing the waits. It stops and joins the stages, last to first,
+at the end, on an error, on ``close()``, or when it is dropped (a loop left
+early). Its state for a checkpoint is ``{stage name: stage.state()}``, and
+for an iterable that can restart, where to restart it
+(dataecho.reading.restart). Until its first batch it can still be renumbered
+(``set_epoch`` after ``iter()``, as Lightning calls them): it then runs the
+other epoch instead.
 """
 
 from __future__ import annotations
@@ -25,11 +23,7 @@ import warnings
 from typing import Any, Callable
 
 from ..examples.structure import Structure
-from ..reading.restart import Mark
-from ..reading.source import SAMPLE, EpochSource
-from . import checkpoint
-from .chain import JOIN_TIMEOUT_S, Chain, build_chain
-from .intake import start_probe
+from .epoch_stages import EpochStages
 from .output import output_of
 from .plan import Plan
 from .stage import Batch, weakly
@@ -43,23 +37,8 @@ _STARVED = ("EchoLoader: the memory budget for ragged values ran out this epoch 
             "deterministic=True; raise ragged_bytes")
 
 
-def _source_of(plan: Plan, epoch: int, resume: dict[str, Any] | None, pool: Any, memory: Any) -> EpochSource:
-    """The epoch's view of the source, from where a resumed state's intake says it stood."""
-    saved = (resume or {}).get("intake", {})
-    skip = saved.get("skip", 0) if plan.source.order is None else 0
-    restart = Mark(**saved["restart"]) if "restart" in saved else None
-    return EpochSource(plan.source, epoch, skip, pool, memory, saved.get("order"), saved.get("bounds"), restart)
-
-
-def _probe_size(plan: Plan) -> int:
-    """Examples read to learn the structure: SAMPLE, and at least one per
-    worker, so that every worker reads before any waits (a dataset may wait
-    for all its workers, at a barrier)."""
-    return max(SAMPLE, plan.intake.workers.count)
-
-
 class Epoch:
-    """An epoch's stages and its consumer side.
+    """An epoch's consumer side, over its running stages.
 
     Args:
         plan: the loader's plan (dataecho.pipeline.plan).
@@ -78,8 +57,7 @@ class Epoch:
 
     Attributes:
         epoch: the epoch number.
-        structure: the examples' structure (None for an empty source).
-        stages: the chain's stages, first to last (empty for an empty epoch).
+        taken: the batches taken from it so far.
     """
 
     def __init__(self, plan: Plan, epoch: int, structure: Structure | None,
@@ -95,59 +73,46 @@ class Epoch:
         self._superseded = False  # ended by a later iter(loader): its next() says so
         self._consumer = threading.Lock()
         self._started = time.perf_counter()
-        self._wait_s, self._delivered, self._batches = 0.0, 0, 0
-        self._chain = Chain(mode=plan.checkpoint, group=group)
-        self._probing: Any = None  # workers reading the first examples before the chain exists
-        self._built = False  # the chain exists (built at once, or by the first next() once the structure is known)
-        self._plan, self._resume, self._on_structure = plan, resume, on_structure
-        self._source = _source_of(plan, epoch, resume, pool, memory)
-        self.structure = structure
+        self._wait_s, self._delivered, self.taken = 0.0, 0, 0
+        self._plan, self._pool, self._memory, self._group, self._on_structure = plan, pool, memory, group, on_structure
+        self._stages: EpochStages | None = None
+        self._run(epoch, structure, resume)
+
+    def _run(self, epoch: int, structure: Structure | None, resume: dict[str, Any] | None) -> None:
         try:
-            if (structure is not None or plan.reads_batches) and resume is None:
-                self._build(structure, [])  # a resumed chain reads examples again: in next(), as errors come
-            elif structure is None and plan.intake.workers.kind != "inline" and resume is None:
-                # The workers read the first examples; the chain is built from them in next().
-                self._probing = start_probe(plan.intake, self._source, _probe_size(plan),
-                                            self._chain.failure, weakly(self.abort))
+            self._stages = EpochStages(self._plan, epoch, structure, resume, weakly(self.abort), self._pool,
+                                       self._memory, self._group, self._on_structure)
         except BaseException:
             self.close()
             raise
 
-    def _build(self, structure: Structure | None, first: list[Any], probing: Any = None) -> None:
-        build_chain(self._chain, self._plan, structure, self._source, first, self._resume, weakly(self.abort),
-                    probing, weakly(self._learned))
-        self._built = True
-
-    def _learned(self, structure: Structure) -> None:
-        """A batch sampler's intake learned the structure (in a worker thread)."""
-        self.structure = structure
-        self._on_structure(structure)
-
-    def _start_chain(self, timeout_s: float | None) -> None:
-        """The first next(), where iter() did not build the chain: learns the
-        structure, where not known, from the first examples (read by the
-        workers, or here with ``num_workers=0``), and builds the chain.
-
-        Raises:
-            TimeoutError: the workers' first examples did not come within ``timeout_s``.
-        """
-        structure, probing, first = self.structure, self._probing, []
-        if structure is None and not self._plan.reads_batches:  # which learns it from its first batch
-            first = probing.probe.examples(timeout_s) if probing is not None else self._source.first()
-            if first is None:  # a worker failed, or the epoch was stopped
-                self._chain.failure.raise_if_set()
-                raise StopIteration
-            structure = self.structure = self._source.structure_of(first, self._spec.declared_ragged, self._spec.strict)
-            if structure is None:  # an empty epoch
-                self._built = True
-                return
-            self._on_structure(structure)
-        self._build(structure, first if probing is None else [], probing)
-        self._probing = None  # the intake stage owns them now
+    def renumber(self, epoch: int, resume: dict[str, Any] | None) -> bool:
+        """Runs epoch ``epoch`` (from ``resume``) instead, if no batch was taken
+        yet (``set_epoch`` after ``iter()``); returns whether it does."""
+        with self._consumer:
+            if self.taken or self._closed:
+                return False
+            old = self._stages
+            old.abort()
+            old.join(wait=True)
+            self.epoch = epoch
+            self._run(epoch, old.structure, resume)
+            return True
 
     @property
     def stages(self) -> list[Any]:
-        return self._chain.stages
+        """The chain's stages, first to last (empty before it is built, or for an empty epoch)."""
+        return self._stages.chain.stages if self._stages is not None else []
+
+    @property
+    def structure(self) -> Structure | None:
+        """The examples' structure (None until known, and for an empty source)."""
+        return self._stages.structure if self._stages is not None else None
+
+    @property
+    def resumed(self) -> bool:
+        """It resumes a checkpoint (rather than starting the epoch afresh)."""
+        return self._stages is not None and self._stages.resume is not None
 
     def start(self, timeout_s: float | None = None) -> None:
         """Builds the stages now, as the first ``next()`` would (waiting for the
@@ -156,8 +121,8 @@ class Epoch:
         Raises:
             TimeoutError: the first examples did not come within ``timeout_s``.
         """
-        if not self._built and not self._closed:
-            self._start_chain(timeout_s)
+        if not self._closed:
+            self._stages.start(timeout_s)
 
     # ---- consuming ----
 
@@ -191,17 +156,18 @@ class Epoch:
         except StopIteration:
             # The end, or a stage failed: either way the epoch is over. Its
             # threads and processes are stopped before the error reaches the loop.
-            self._finish("complete" if self._chain.failure.error is None else "failed")
-            self._chain.failure.raise_if_set()
+            failure = self._stages.chain.failure
+            self._finish("complete" if failure.error is None else "failed")
+            failure.raise_if_set()
             raise
         except BaseException as error:  # Ctrl-C, or an error of the native core: stop every stage
             self._finish("stopped" if isinstance(error, KeyboardInterrupt) else "failed")
             raise
         finally:
             self._wait_s += time.perf_counter() - start
-        self._batches += 1
+        self.taken += 1
         self._delivered += len(batch)
-        checkpoint.prune(self._source.marks, self._chain.state)
+        self._stages.prune()
         return output_of(self._spec, batch)
 
     def _next_batch(self) -> Batch:
@@ -209,11 +175,7 @@ class Epoch:
             raise StopIteration
         timeout = self._spec.timeout_s
         try:
-            if not self._built:
-                self._start_chain(timeout)
-            if not self._chain.stages:
-                raise StopIteration
-            return self._chain.stages[-1].next(timeout)
+            return self._stages.next(timeout)
         except TimeoutError:
             if timeout is None:
                 raise
@@ -229,19 +191,17 @@ class Epoch:
         Raises:
             ValueError: a stage whose state cannot be saved, with its reason.
         """
-        if not self._built and self._resume is not None:
-            return self._resume  # resumed, no batch taken yet: where the loaded state stood
-        return checkpoint.with_restart(self._chain.state(lock_timeout_s), self._source.marks)
+        return self._stages.state(lock_timeout_s)
 
     def counters(self) -> dict[str, Any]:
         """This epoch's counters (see dataecho.pipeline.stats), from every stage."""
-        stages = self._chain.counters()
+        stages = self._stages.counters() if self._stages is not None else {}
         return {
             "epoch": self.epoch,
             "state": self._state,
             "fresh": stages.get("fresh", 0),
             "delivered": self._delivered,
-            "batches": self._batches,
+            "batches": self.taken,
             **{key: stages.get(key, 0) for key in ("fresh_batches", "delivered_batches", "augmented",
                                                    "lockstep_repeats", "lockstep_wait_s")},
             "wait_s": self._wait_s,
@@ -250,9 +210,7 @@ class Epoch:
         }
 
     def worker_counters(self) -> list[dict[str, float]]:
-        if self._probing is not None:  # still reading the first examples
-            return self._probing.counters()
-        return self._chain.stages[0].counters()["workers"] if self._chain.stages else []
+        return self._stages.worker_counters() if self._stages is not None else []
 
     @property
     def closed(self) -> bool:
@@ -263,10 +221,8 @@ class Epoch:
     def abort(self) -> None:
         """Stops every stage at once (an error in a stage thread, or the consumer
         leaving); callable from any thread."""
-        for stage in reversed(self._chain.stages):
-            stage.stop()
-        if self._probing is not None:
-            self._probing.stop()
+        if self._stages is not None:
+            self._stages.abort()
 
     def close(self) -> None:
         """Stops this epoch's threads and processes and waits for them (idempotent)."""
@@ -283,13 +239,11 @@ class Epoch:
             return
         self._closed = True
         self._state = state
-        if self._spec.warn_starved and any(s.counters().get("starved") for s in self._chain.stages):
-            warnings.warn(_STARVED, RuntimeWarning, stacklevel=3)
-        self.abort()
-        for stage in reversed(self._chain.stages):
-            stage.join(JOIN_TIMEOUT_S if wait else 0.0)
-        if self._probing is not None:
-            self._probing.join(JOIN_TIMEOUT_S if wait else 0.0)
+        if self._stages is not None:
+            if self._spec.warn_starved and self._stages.starved():
+                warnings.warn(_STARVED, RuntimeWarning, stacklevel=3)
+            self._stages.abort()
+            self._stages.join(wait)
         self._on_finish(self.counters(), self.worker_counters(), self._left)
 
     def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
@@ -301,7 +255,7 @@ class Epoch:
         # the buffers and no stage thread runs any more: nothing to save or wait for.
         if getattr(self, "_closed", True) or _finalizing():
             return
-        if self._batches > 0 and self._chain.resumable:
+        if self.taken > 0 and self._stages is not None and self._stages.chain.resumable:
             try:
                 self._left = self.state(LEAVE_WAIT_S)
             except Exception:  # noqa: BLE001 - no state then: a later state_dict() gives the next epoch's start

@@ -318,10 +318,9 @@ class IntakeStage:
             queued=replayed + [{"rows": rows} for rows in snap.queued],
             ended=bool(snap.ended),
         )
-        if snap.ended and not self._map_style:
-            # The assembler has exited, and its snapshot no longer says how far an
-            # iterable was read; a resume reads no further than the queued rows.
-            state["next_seq"] = max((int(b["rows"].max()) + 1 for b in state["queued"] if len(b["rows"])), default=0)
+        # An ended assembler's snapshot no longer says how far an iterable was
+        # read: the epoch sets it to the last position any stage names
+        # (checkpoint.read_to_named), as far as a resume must read again.
         return state
 
     def counters(self) -> dict[str, Any]:

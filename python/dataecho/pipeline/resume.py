@@ -1,6 +1,14 @@
 """Loading a checkpoint into a loader: the configuration and plan that resume
 it, the state checked against them (dataecho.pipeline.checkpoint), and what a
-resume that cannot be exact would lose, said at load time."""
+resume that cannot be exact would lose, said at load time.
+
+A state names the rank and world size that saved it. Another rank's state,
+or a state of a job of another world size, resumes this rank by working out
+its own position from the epoch's history (dataecho.pipeline.replay) wherever
+that follows from the seed alone; the list of every rank's states is taken
+too (this rank's own is used where it is in it). Where a position cannot be
+worked out (an iterable, a sampler's order), each rank loads its own state.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +16,13 @@ import functools
 import warnings
 from typing import Any
 
-import numpy as np
-
+from ..reading.sharding import Shard
 from .chain import state_checks
-from .checkpoint import check_state
-from .elastic import redistributed
+from .checkpoint import check_state, int_at, plain
 from .plan import Plan, plan
+from .replay import replayed_stages
 
-__all__ = ["resumed"]
+__all__ = ["for_epoch", "resumed"]
 
 
 def resumed(config: Any, planned: Plan, state: Any) -> tuple[Any, Plan, dict[str, Any]]:
@@ -24,22 +31,25 @@ def resumed(config: Any, planned: Plan, state: Any) -> tuple[Any, Plan, dict[str
     restarted with the same arguments resumes as StatefulDataLoader does.
 
     Args:
-        config: the loader's ``LoaderConfig``.
+        config: the loader's ``LoaderConfig``, on the part of the job it runs now.
         planned: its plan.
-        state: what ``state_dict()`` returned.
+        state: what ``state_dict()`` returned, on any rank of a job of any
+            world size, or the list of every rank's.
 
     Raises:
-        TypeError, ValueError: a state that is not one, or was saved by a
-            loader with other arguments that decide the batches (named).
+        TypeError, ValueError: a state that is not one, was saved by a loader
+            with other arguments that decide the batches (named), or cannot
+            resume this rank (saying what to load instead).
     """
-    if isinstance(state, (list, tuple)):  # every rank's state, of a job of any world size
-        state = redistributed(list(state), config, _checked_old)
+    if isinstance(state, (list, tuple)):
+        state = _one_of(list(state), config)
     saved = state.get("config") if isinstance(state, dict) else None
     if not config.seed_given and isinstance(saved, dict) and saved.get("seed") not in (None, config.seed):
         config = config.with_seed(saved["seed"])
         planned = plan(config)
-    checked = check_state(state, config.fingerprint(), state_checks(planned),
-                          functools.partial(_saved_order, planned.source.order), planned.checkpoint)
+    if isinstance(saved, dict) and (saved.get("rank"), saved.get("world_size")) != _place(config):
+        state = _for_this_rank(state, config)
+    checked = _checked(state, config, planned)
     if planned.checkpoint == "skip" and checked["stages"] is not None:
         warnings.warn(
             f"load_state_dict: this loader reads an iterable in no fixed order (deterministic=False, or a Ray "
@@ -50,24 +60,81 @@ def resumed(config: Any, planned: Plan, state: Any) -> tuple[Any, Plan, dict[str
     return config, planned, checked
 
 
-def _checked_old(state: dict, config: Any) -> tuple[dict, np.ndarray]:
-    """One rank's state of a job being resumed under another world size,
-    checked as a loader of ``config`` (that rank) would; and the order it read."""
-    planned = plan(config)
-    if planned.checkpoint != "exact" or planned.source.order is None or planned.reads_batches:
-        raise ValueError("load_state_dict: resuming mid-epoch under another world size needs exact states of "
-                         "single examples: a map-style dataset read in a deterministic order (the default), "
-                         "without a batch_sampler")
-    order_of = functools.partial(_saved_order, planned.source.order)
-    checked = check_state(state, config.fingerprint(), state_checks(planned), order_of, planned.checkpoint)
-    return checked, order_of(checked["epoch"], checked["stages"]["intake"].get("order"))
+def for_epoch(config: Any, planned: Plan, checked: dict[str, Any], epoch: int) -> dict[str, Any] | None:
+    """A loaded mid-epoch state moved to epoch ``epoch`` (``set_epoch`` after
+    ``load_state_dict``, as StatefulDataLoader reads its sampler's epoch): the
+    same batches delivered of that epoch instead; None where the position
+    cannot be worked out for another epoch (the caller then starts it afresh)."""
+    if not config.replayable:
+        return None
+    history = checked["history"]
+    return _checked({**checked, "epoch": epoch, "stages": plain(replayed_stages(config, epoch, history))},
+                    config, planned)
 
 
-def _saved_order(order: Any, epoch: int, saved: np.ndarray | None) -> np.ndarray | None:
+def _place(config: Any) -> tuple[int, int]:
+    return config.shard.rank, config.shard.world_size
+
+
+def _checked(state: Any, config: Any, planned: Plan) -> dict[str, Any]:
+    return check_state(state, config.fingerprint(), state_checks(planned),
+                       functools.partial(_saved_order, planned.source.order), planned.checkpoint)
+
+
+def _for_this_rank(state: dict, config: Any) -> dict[str, Any]:
+    """Another rank's state (of this job or another), as this rank's: its own
+    position worked out from the epoch's history (dataecho.pipeline.replay)."""
+    saved = state["config"]
+    world = int_at(saved, "world_size", "state['config']")
+    if world < 1:
+        raise ValueError(f"state['config']['world_size']: expected an int >= 1, got {world}")
+    rank = int_at(saved, "rank", "state['config']", at_most=world - 1)
+    old = config.with_shard(Shard(rank, world))
+    old_checked = _checked(state, old, plan(old))  # every other argument checked as that rank would
+    out = {**old_checked, "config": config.fingerprint()}
+    if old_checked["stages"] is None:  # an epoch boundary: the next epoch planned for this rank
+        return out
+    if not config.replayable:
+        raise ValueError(
+            f"state: saved by rank {rank} of {world}, but this loader is rank {config.shard.rank} of "
+            f"{config.shard.world_size}; a rank's position mid-epoch follows from another's only for a map-style "
+            f"dataset read in dataecho's own order (no sampler or batch_sampler) with deterministic reading: load "
+            f"each rank's own state_dict() on that rank (the same world size), or resume at an epoch boundary")
+    history = old_checked["history"]
+    if world != config.shard.world_size:
+        history = history + [[config.shard.world_size, 0]]
+    return {**out, "history": history, "stages": plain(replayed_stages(config, old_checked["epoch"], history))}
+
+
+def _one_of(states: list, config: Any) -> dict[str, Any]:
+    """The state to resume from, of every rank's ``states`` (of one job, one
+    epoch, one point): this rank's own where it is among them, else any."""
+    if not states or not all(isinstance(s, dict) and isinstance(s.get("config"), dict) for s in states):
+        raise TypeError("state: expected every rank's state_dict() (a list of dicts), got something else")
+    world = len(states)
+    ranks = sorted(s["config"].get("rank") for s in states)
+    if ranks != list(range(world)) or any(s["config"].get("world_size") != world for s in states):
+        raise ValueError(f"state: expected the states of all {world} ranks of one job (ranks 0 to {world - 1}, "
+                         f"each once, world_size {world}), got ranks {ranks}")
+    keys = {k for s in states for k in s["config"]} - {"rank", "world_size"}
+    for key in sorted(keys):
+        if len({repr(s["config"].get(key)) for s in states}) != 1:
+            raise ValueError(f"state: the ranks' states differ in {key}; expected the states of one job")
+    points = {(repr(s.get("epoch")), repr(s.get("history")), s.get("stages") is None) for s in states}
+    if len(points) != 1:
+        raise ValueError("state: the ranks' states were taken at different epochs or points; take them at the "
+                         "same step on every rank")
+    for state in states:
+        if (state["config"]["rank"], world) == _place(config):
+            return state
+    return states[0]
+
+
+def _saved_order(order: Any, epoch: int, saved: Any) -> Any:
     """The order of the epoch a state resumes: the one it saved (a sampler's or
     a batch sampler's, never drawn again: a RandomSampler would give another;
-    one spread over another world size), else a map-style source's own; None
-    for an iterable."""
+    one dealt out over another world size), else a map-style source's own;
+    None for an iterable."""
     if order is None:
         return None
     if not order.sampled and saved is None:
