@@ -52,7 +52,8 @@ def noisy(example: Any, rng: Any) -> Any:
 def ids(batch: Any) -> list:
     if isinstance(batch, dict):
         if "noise" in batch:
-            return list(zip(np.asarray(batch["id"]).reshape(-1).tolist(), np.asarray(batch["noise"]).tolist()))
+            return list(zip(np.asarray(batch["id"]).reshape(-1).tolist(),
+                            np.asarray(batch["noise"]).reshape(-1).tolist()))
         return np.asarray(batch["id"]).reshape(-1).tolist()
     return np.asarray(batch).reshape(-1).tolist()
 
@@ -64,7 +65,13 @@ def example_ids(batches: list) -> list:
 def draw(seed: int) -> dict[str, Any]:
     """A case's configuration, from its seed."""
     rng = random.Random(seed)
-    source = rng.choice(["records", "records", "array", "iterable"])
+    source = rng.choice(["records", "records", "array", "iterable", "grain", "nodes"])
+    if source in ("grain", "nodes"):
+        return {"seed": seed, "source": source, "n": rng.randrange(20, 200),
+                "echo_factor": rng.choice([1, 1.5, 2, 3]), "batch_size": rng.choice([None, 4, 8]),
+                "shuffle_buffer": rng.choice([16, 64]), "augment": rng.random() < 0.4,
+                "moment": rng.choice(["mid", "start", "last"]), "transport": rng.choice(["torch", "json"]),
+                "cut": rng.random()}
     placement = rng.choice(["example", "fractional", "batch", "augment", "augment"] +
                            (["augment-processes"] if source == "records" and rng.random() < 0.3 else []))
     batch = rng.choice([1, 4, 8, 16])
@@ -77,8 +84,8 @@ def draw(seed: int) -> dict[str, Any]:
         kwargs.update(echo_at="batch", shuffle_buffer=rng.choice([2, 4, 8]))
     if placement.startswith("augment"):
         kwargs["augment"] = noisy
-    if placement == "augment-processes":
-        kwargs.update(worker_type="process", num_workers=2)
+    if placement == "augment-processes" or (source == "records" and rng.random() < 0.1):
+        kwargs.update(worker_type="process", num_workers=2)  # reading (and augment, where given) in processes
     map_style = source != "iterable"
     world = rng.choice([1, 1, 2, 3]) if map_style else 1
     moment = rng.choice(MOMENTS if source == "records" else [m for m in MOMENTS if m != "error-dataset"])
@@ -172,6 +179,9 @@ def run_case(seed: int) -> dict[str, Any]:
 
 
 def _check(case: dict[str, Any]) -> None:
+    if case["source"] in ("grain", "nodes"):
+        _check_pipeline(case)
+        return
     world, new_world = case["world"], case["new_world"]
     first = 1 if case["moment"] == "set-epoch" else 0
     reference = _reference(case, world, 2, first)
@@ -226,6 +236,42 @@ def _check_elastic(case: dict[str, Any], reference: list, saved: list, resumed: 
     bound = case["new_world"] * (case["kwargs"]["batch_size"] + high)
     assert extra <= bound, f"{extra} deliveries beyond the counts (padding bound {bound})"
     assert [after for _, after in resumed] == [rank[1] for rank in fresh], "the next epoch differs from a fresh job's"
+
+
+def _step(case: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """A pipeline's echo step, fresh: (an iterator over it, its state, load a state into it)."""
+    options = {"shuffle_buffer": case["shuffle_buffer"], "seed": 5, "batch_size": case["batch_size"],
+               "augment": noisy if case["augment"] else None}
+    if case["source"] == "grain":
+        import grain
+
+        from dataecho.grain import EchoIterDataset
+
+        parent = grain.MapDataset.range(case["n"]).map(lambda i: {"id": np.int64(i)}).to_iter_dataset()
+        iterator = iter(EchoIterDataset(parent, case["echo_factor"], **options))
+        return iterator, iterator.get_state, iterator.set_state
+    from torchdata.nodes import IterableWrapper, Mapper
+
+    from dataecho.nodes import Echo
+
+    node = Echo(Mapper(IterableWrapper(range(case["n"])), lambda i: {"id": np.int64(i)}), case["echo_factor"],
+                **options)
+    node.reset()
+    return node, node.state_dict, node.reset
+
+
+def _check_pipeline(case: dict[str, Any]) -> None:
+    """A Grain or torchdata pipeline's echo: interrupted, resumed in a fresh
+    pipeline from its state, is its uninterrupted epoch."""
+    reference, _, _ = _step(case)
+    whole = [ids(item) for item in reference]
+    cut = {"start": 0, "last": len(whole)}.get(case["moment"], int(case["cut"] * len(whole)))
+    interrupted, state_of, _ = _step(case)
+    taken = [ids(next(interrupted)) for _ in range(cut)]
+    state = _travel(state_of(), case["transport"])
+    resumed, _, load = _step(case)
+    load(state)
+    assert taken + [ids(item) for item in resumed] == whole, f"resumed after element {cut} of {len(whole)}"
 
 
 def _len(loader: dataecho.EchoLoader) -> int | None:

@@ -328,3 +328,36 @@ def test_a_job_of_two_ranks_resumes_on_four_from_its_gathered_states(tmp_path, k
     counts = Counter(i for r in before + after for i in r["ids"])
     assert set(counts) == set(range(1000)) and set(counts.values()) <= {2, 3}
     assert sum(counts.values()) - 2000 <= 4 * 16, "only the new ranks' padding comes more than twice"
+
+
+def test_an_epoch_resumed_twice_on_other_world_sizes_from_one_state_each_time():
+    # 2 ranks, preempted; 4 ranks resume from rank 0's state, preempted; 3 ranks
+    # resume from rank 2's. Each job's ranks work out their positions from the
+    # epoch's history in the one state they are given.
+    kwargs = {"echo_factor": 2, "num_workers": 1, "seed": 9}
+    first, states, _, _ = run_job(2, cut=6, **kwargs)
+    assert states[0]["history"] == [[2, 6]]
+    second, states, _, _ = run_job(4, states=states[0], cut=4, **kwargs)
+    assert states[2]["history"] == [[2, 6], [4, 4]]
+    third, _, lengths, sizes = run_job(3, states=states[2], json_states=True, **kwargs)
+    assert len(set(lengths)) == 1 and sizes == [6 + 4 + n for n in lengths]
+    counts = first + second + third
+    assert set(counts) == set(range(1001)) and min(counts.values()) == 2
+    assert sum(counts.values()) - 2 * 1001 <= 2 * 2 + 4 * 18 + 3 * 18, "the shards' and the new ranks' padding"
+
+
+@pytest.mark.parametrize("cut", [40, 62])
+def test_an_old_rank_whose_intake_ended_owes_only_what_it_had_not_delivered(cut):
+    # Behind augment the echo buffer has read its whole shard long before the
+    # epoch ends (its state says the intake ended): the rest dealt out is what
+    # was not yet delivered, not the shard again. Near the end there are fewer
+    # deliveries owed than new ranks: every new rank still yields a batch.
+    kwargs = {"echo_factor": 2, "augment": lambda x, rng: x, "num_workers": 2}
+    before, states, lengths, _ = run_job(2, cut=cut, **kwargs)
+    assert lengths == [cut, cut]
+    for new in (4, 64) if cut == 62 else (4,):
+        after, _, new_lengths, sizes = run_job(new, states=states[1], **kwargs)
+        assert len(set(new_lengths)) == 1 and new_lengths[0] >= 1 and sizes == [cut + n for n in new_lengths]
+        counts = before + after
+        assert set(counts) == set(range(1001)) and min(counts.values()) == 2
+        assert sum(counts.values()) - 2 * 1001 <= 2 * 2 + new * 18, f"{new} ranks: only padding comes again"

@@ -386,4 +386,4 @@ def _replayed(config: LoaderConfig, epoch: int, history: list) -> dict[str, Any]
             "state_dict: the epoch ended on an error after some batches, and where it stood then can be worked "
             "out only for a map-style dataset read in dataecho's own order (no sampler) with deterministic "
             "reading; resume from a state saved before the error")
-    return replayed_stages(config, epoch, history)
+    return replayed_stages(config, epoch, history)[0]

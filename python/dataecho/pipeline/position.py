@@ -145,7 +145,7 @@ class LoaderPosition:
             state = envelope(current.epoch if current is not None else next_epoch, None, [])
         if state["stages"] is not None and _spent(state, length(state["epoch"], state["history"])):
             state = envelope(state["epoch"] + 1, None, [])
-        return plain(state)
+        return plain({key: value for key, value in state.items() if key != "length"})
 
     def length(self, config: Any, planned: Plan, epoch: int, history: list[list[int]]) -> int:
         """Batches of ``epoch`` on this rank in all, across its ``history`` (an
@@ -156,6 +156,10 @@ class LoaderPosition:
         """
         if len(history) <= 1:
             return planned.batches_per_epoch()
+        for known in (self.pending, self.running):  # worked out as it was loaded
+            if (known is not None and known.get("length") is not None and known["epoch"] == epoch
+                    and known["history"][:-1] == history[:-1]):
+                return known["length"]
         key = (epoch, config.seed, config.shard, tuple(map(tuple, history[:-1])))
         if key not in self._lengths:
             self._lengths[key] = resumed_length(config, epoch, history)

@@ -65,24 +65,26 @@ class Ledger:
         return np.maximum(self.target - self.delivered, 0)
 
 
-def replayed_stages(config: Any, epoch: int, history: list[list[int]]) -> dict[str, Any] | None:
-    """The state of ``config``'s rank ({stage name: state}, as the epoch's
-    ``state()`` gives it) after the epoch's ``history``, whose last job has
-    ``config``'s world size; None at the epoch's start.
+def replayed_stages(config: Any, epoch: int, history: list[list[int]]) -> tuple[dict[str, Any] | None, int | None]:
+    """(the state of ``config``'s rank ({stage name: state}, as the epoch's
+    ``state()`` gives it; None at the epoch's start) after the epoch's
+    ``history``, whose last job has ``config``'s world size; and, where an
+    earlier job had another, the epoch's batches on this rank in all, else None).
 
     Raises:
         ValueError: a history this configuration cannot have delivered (more
             batches than its epoch has), naming it.
     """
     *before, (world, batches) = history
-    start = None
+    start, length = None, None
     if before:
-        ledger = job_ledger(config, epoch, before)
-        start = elastic.dealt(ledger, _dealing(config, epoch, len(before)))[config.shard.rank]
+        dealing = _dealing(config, epoch, len(before))
+        start = elastic.dealt(job_ledger(config, epoch, before), dealing)[config.shard.rank]
+        length = sum(k for _, k in before) + elastic.start_batches(start, dealing)
     elif batches == 0:
-        return None
+        return None, None
     stages, _ = _run(config, epoch, start, batches)
-    return stages
+    return stages, length
 
 
 def job_ledger(config: Any, epoch: int, history: list[list[int]]) -> Ledger:

@@ -47,9 +47,10 @@ def resumed(config: Any, planned: Plan, state: Any) -> tuple[Any, Plan, dict[str
     if not config.seed_given and isinstance(saved, dict) and saved.get("seed") not in (None, config.seed):
         config = config.with_seed(saved["seed"])
         planned = plan(config)
+    length = None  # the epoch's batches on this rank, where working out its position told them
     if isinstance(saved, dict) and (saved.get("rank"), saved.get("world_size")) != _place(config):
-        state = _for_this_rank(state, config)
-    checked = _checked(state, config, planned)
+        state, length = _for_this_rank(state, config)
+    checked = {**_checked(state, config, planned), "length": length}
     if planned.checkpoint == "skip" and checked["stages"] is not None:
         warnings.warn(
             f"load_state_dict: this loader reads an iterable in no fixed order (deterministic=False, or a Ray "
@@ -67,9 +68,8 @@ def for_epoch(config: Any, planned: Plan, checked: dict[str, Any], epoch: int) -
     cannot be worked out for another epoch (the caller then starts it afresh)."""
     if not config.replayable:
         return None
-    history = checked["history"]
-    return _checked({**checked, "epoch": epoch, "stages": plain(replayed_stages(config, epoch, history))},
-                    config, planned)
+    stages, length = replayed_stages(config, epoch, checked["history"])
+    return {**_checked({**checked, "epoch": epoch, "stages": plain(stages)}, config, planned), "length": length}
 
 
 def _place(config: Any) -> tuple[int, int]:
@@ -81,9 +81,10 @@ def _checked(state: Any, config: Any, planned: Plan) -> dict[str, Any]:
                        functools.partial(_saved_order, planned.source.order), planned.checkpoint)
 
 
-def _for_this_rank(state: dict, config: Any) -> dict[str, Any]:
+def _for_this_rank(state: dict, config: Any) -> tuple[dict[str, Any], int | None]:
     """Another rank's state (of this job or another), as this rank's: its own
-    position worked out from the epoch's history (dataecho.pipeline.replay)."""
+    position worked out from the epoch's history (dataecho.pipeline.replay);
+    and the epoch's batches on this rank in all, where that told them."""
     saved = state["config"]
     world = int_at(saved, "world_size", "state['config']")
     if world < 1:
@@ -93,7 +94,7 @@ def _for_this_rank(state: dict, config: Any) -> dict[str, Any]:
     old_checked = _checked(state, old, plan(old))  # every other argument checked as that rank would
     out = {**old_checked, "config": config.fingerprint()}
     if old_checked["stages"] is None:  # an epoch boundary: the next epoch planned for this rank
-        return out
+        return out, None
     if not config.replayable:
         raise ValueError(
             f"state: saved by rank {rank} of {world}, but this loader is rank {config.shard.rank} of "
@@ -103,7 +104,8 @@ def _for_this_rank(state: dict, config: Any) -> dict[str, Any]:
     history = old_checked["history"]
     if world != config.shard.world_size:
         history = history + [[config.shard.world_size, 0]]
-    return {**out, "history": history, "stages": plain(replayed_stages(config, old_checked["epoch"], history))}
+    stages, length = replayed_stages(config, old_checked["epoch"], history)
+    return {**out, "history": history, "stages": plain(stages)}, length
 
 
 def _one_of(states: list, config: Any) -> dict[str, Any]:
