@@ -9,12 +9,15 @@
    late one, within the reorder window). Rates are delivered examples per
    second over an epoch; the table prints the ratio deterministic /
    non-deterministic (1.0 = free).
-2. Resume: ``state_dict()`` taken mid-epoch, its pickled size, and the time from
+2. Resume: ``state_dict()`` taken mid-epoch, its size in JSON, and the time from
    ``load_state_dict()`` to the first batch, against the time a fresh epoch takes
    to its first batch (both re-read what they need; a resumed epoch re-reads the
    resident examples, up to ``shuffle_buffer``), for example echoing, and for
    echoing before an ``augment`` that draws from its ``rng`` (whose pending rows,
-   up to its output buffer and the rows being augmented, are augmented again).
+   up to its output buffer and the rows being augmented, are augmented again);
+   and the same for another rank of a job of 8 (rank 3 given rank 0's state, as
+   Lightning, HF Trainer and Accelerate hand it over), which first works out its
+   own position (dataecho.pipeline.replay), and for a rank of a job of 16.
 
 Usage:
     python bench/bench_determinism.py [--quick] [--json PATH]
@@ -25,7 +28,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import pickle
 import statistics
 import time
 
@@ -42,10 +44,11 @@ def flip(example: dict, rng: np.random.Generator) -> dict:
 
 
 def loader(nbytes: int, deterministic: bool, worker_type: str, n: int, augment=None, workers: int | None = 2,
-           delay_s: float = 0.0) -> dataecho.EchoLoader:
+           delay_s: float = 0.0, rank: int = 0, world_size: int = 1) -> dataecho.EchoLoader:
     return dataecho.EchoLoader(
         common.Records(n, nbytes, delay_s=delay_s, tail=10.0), batch_size=256, echo_factor=2, shuffle_buffer=4096,
         num_workers=workers, seed=0, deterministic=deterministic, worker_type=worker_type, augment=augment,
+        rank=rank, world_size=world_size,
     )
 
 
@@ -77,8 +80,9 @@ def first_batch_s(make, state=None) -> float:
     return elapsed
 
 
-def resume_costs(make, rounds: int) -> dict:
-    """The state mid-epoch: its size and what it names; first-batch times, fresh and resumed."""
+def resume_costs(make, rounds: int, loading=None) -> dict:
+    """The state mid-epoch: its size and what it names; first-batch times,
+    fresh and resumed (by ``loading``, another loader, where given)."""
     source = make()
     epoch = iter(source)
     for _ in range(len(source) // 2):
@@ -87,12 +91,13 @@ def resume_costs(make, rounds: int) -> dict:
     source.close()
     stages = state["stages"]
     augment = stages.get("augment")
+    loading = loading or make
     return {
-        "state_bytes": len(pickle.dumps(state)),
+        "state_bytes": len(json.dumps(state)),
         "resident": len(stages["intake"]["positions"]),
         "pending": len(augment["pending"]["rows"]) if augment else 0,
-        "fresh_first_batch_s": statistics.median(first_batch_s(make) for _ in range(rounds)),
-        "resumed_first_batch_s": statistics.median(first_batch_s(make, state) for _ in range(rounds)),
+        "fresh_first_batch_s": statistics.median(first_batch_s(loading) for _ in range(rounds)),
+        "resumed_first_batch_s": statistics.median(first_batch_s(loading, state) for _ in range(rounds)),
     }
 
 
@@ -121,10 +126,15 @@ def main() -> None:
     common.print_table(("workload", "deterministic=False", "deterministic=True", "ratio"), table)
 
     print()
-    for name, augment in (("example echo", None), ("augment with rng", flip)):
-        results["resume"][name] = r = resume_costs(functools.partial(loader, 12 << 10, True, "thread", n, augment),
-                                                   rounds)
-        print(f"resume mid-epoch, {name} (12 KiB, shuffle_buffer 4096): state {r['state_bytes']:,} bytes for "
+    jobs = (("", 1, 0, 1), (", rank 3 of 8 from rank 0's state", 8, 3, 8),
+            (", rank 5 of 16 from a job of 8", 8, 5, 16))
+    for (name, augment), (job, world, rank, new_world) in [(p, j) for p in (("example echo", None),
+                                                                            ("augment with rng", flip)) for j in jobs]:
+        make = functools.partial(loader, 12 << 10, True, "thread", n * world, augment, world_size=world)
+        loading = functools.partial(loader, 12 << 10, True, "thread", n * world, augment, rank=rank,
+                                    world_size=new_world)
+        results["resume"][name + job] = r = resume_costs(make, rounds, loading)
+        print(f"resume mid-epoch, {name}{job} (12 KiB, shuffle_buffer 4096): state {r['state_bytes']:,} bytes for "
               f"{r['resident']} resident examples and {r['pending']} pending augmented rows; first batch after "
               f"load {r['resumed_first_batch_s'] * 1e3:.0f} ms vs a fresh epoch's "
               f"{r['fresh_first_batch_s'] * 1e3:.0f} ms "

@@ -127,8 +127,142 @@ def elastic_load(rank: int, world_size: int, arg: str) -> dict[str, Any]:
     return {"ids": [i for b in batches for i in b], "batches": len(batches)}
 
 
+# ---- lockstep scenarios: echo_factor="auto" where a rank has nothing to deliver, fails, or leaves ----
+
+
+class _EpochSizes:
+    """An iterable source whose epoch ``e`` yields records ``0..sizes[e]-1``
+    (the last size for later epochs): a rank's shard of a stream it reads
+    itself. ``fail_at``: (epoch, record) at which it raises InjectedFault."""
+
+    def __init__(self, sizes: list[int], fail_at: tuple[int, int] | None = None) -> None:
+        self.sizes, self.fail_at, self.epochs = sizes, fail_at, 0
+
+    def __iter__(self) -> Any:
+        from support import InjectedFault, one
+
+        epoch, self.epochs = self.epochs, self.epochs + 1
+        size = self.sizes[min(epoch, len(self.sizes) - 1)]
+        for i in range(size):
+            if (epoch, i) == self.fail_at:
+                raise InjectedFault(f"the stream broke at record {i}")
+            yield one(i)
+
+
+def _auto_loader(source: Any, **kwargs: Any) -> Any:
+    import dataecho
+
+    kwargs.setdefault("num_workers", 0)
+    return dataecho.EchoLoader(source, batch_size=8, echo_factor="auto", seed=1, **kwargs)
+
+
+BOUND_S = 12  # a lockstep scenario's rank ends itself (SIGALRM) after this long: a hang fails fast, reaped
+
+
+def _bounded_join(rank: int, world_size: int) -> None:
+    import signal
+
+    _join(rank, world_size)
+    signal.alarm(BOUND_S)
+
+
+def _epochs(loader: Any, count: int, step: bool = False, stop_after: int | None = None) -> list[list[Any]]:
+    """[batches, error or None] of each of ``count`` epochs; ``step``: a
+    training step's collective after each batch; ``stop_after``: the loop
+    leaves (break) after that many batches."""
+    import torch
+    import torch.distributed as dist
+
+    epochs = []
+    for _ in range(count):
+        batches, error = 0, None
+        try:
+            for _ in loader:
+                batches += 1
+                if step:
+                    dist.all_reduce(torch.ones(1))
+                if batches == stop_after:
+                    break
+        except Exception as e:  # noqa: BLE001 - what each rank saw is the result
+            error = f"{type(e).__name__}: {e}"
+        epochs.append([batches, error])
+    return epochs
+
+
+EMPTY_RANK_CASES = {  # case -> (rank 0's epoch sizes, the other ranks', drop_last)
+    "iterable": ([64], [0], False),  # the others never see an example: their epochs learn no structure
+    "short": ([64], [3], True),  # the others' 3 examples make no batch of 8
+    "later": ([64], [40, 0], False),  # the others' second epoch is empty
+    "all": ([3], [3], True),  # no rank has a batch: an empty epoch everywhere
+}
+
+
+def auto_with_an_empty_rank(rank: int, world_size: int, arg: str) -> dict[str, Any]:
+    """echo_factor="auto" where every rank but 0 has no batch to deliver in
+    some epoch (``arg``: a case of EMPTY_RANK_CASES): two epochs with a
+    training step's collective, then a barrier (every rank alive, in step)."""
+    import torch.distributed as dist
+
+    _bounded_join(rank, world_size)
+    sizes_0, sizes_others, drop_last = EMPTY_RANK_CASES[arg]
+    loader = _auto_loader(_EpochSizes(sizes_0 if rank == 0 else sizes_others), drop_last=drop_last)
+    epochs = _epochs(loader, 2, step=True)
+    dist.barrier()
+    return {"epochs": epochs}
+
+
+def auto_with_a_failing_rank(rank: int, world_size: int, arg: str) -> dict[str, Any]:
+    """echo_factor="auto" where rank 1's stream raises in one epoch, in a loop
+    without a collective of its own (an evaluation); three epochs of the same
+    loader on every rank. ``arg``: ``<epoch>:<record>:<shuffle_buffer>:<workers>``,
+    where the stream raises, the examples the loader reads ahead, and its
+    reading threads (0: the loop's own thread, where the error comes from the
+    source itself; else a worker's error comes as the epoch stops)."""
+    _bounded_join(rank, world_size)
+    epoch, record, buffer, workers = (int(n) for n in arg.split(":"))
+    source = _EpochSizes([400], fail_at=(epoch, record) if rank == 1 else None)
+    return {"epochs": _epochs(_auto_loader(source, shuffle_buffer=buffer, num_workers=workers), 3)}
+
+
+def auto_left_early_on_one_rank(rank: int, world_size: int, arg: str) -> dict[str, Any]:
+    """echo_factor="auto" where rank 1 leaves its first epoch's loop after 3
+    batches (break) while rank 0 goes on, in a loop without a collective of
+    its own. Rank 1 runs three epochs, rank 0 two, each until it ends or raises."""
+    _bounded_join(rank, world_size)
+    loader = _auto_loader(_EpochSizes([200]), shuffle_buffer=16)
+    if rank == 1:
+        return {"epochs": _epochs(loader, 1, stop_after=3) + _epochs(loader, 2)}
+    return {"epochs": _epochs(loader, 2)}
+
+
+def lockstep_without_stages(rank: int, world_size: int, arg: str) -> dict[str, Any]:
+    """Rank 0 runs an echo_factor="auto" epoch; every other rank plays an
+    epoch that built no stages: it makes the loader's process group and takes
+    part in the first agreement (``arg``: "empty", or "failed" before its
+    stages existed), as the epoch does."""
+    import torch.distributed as dist
+
+    from dataecho.pipeline.lockstep import agree_without_stages
+
+    _bounded_join(rank, world_size)
+    if rank == 0:
+        epochs = _epochs(_auto_loader(_EpochSizes([64])), 1)
+    else:
+        group = dist.new_group(backend="gloo")  # as the loader makes its group, at its first epoch
+        try:
+            agree_without_stages(group, failed=arg == "failed")
+            epochs = [[0, None]]
+        except RuntimeError as e:
+            epochs = [[0, f"{type(e).__name__}: {e}"]]
+    dist.barrier()
+    return {"epochs": epochs}
+
+
 SCENARIOS = {"built_before_the_group": built_before_the_group, "auto_with_a_straggler": auto_with_a_straggler,
-             "elastic_save": elastic_save, "elastic_load": elastic_load}
+             "elastic_save": elastic_save, "elastic_load": elastic_load,
+             "auto_with_an_empty_rank": auto_with_an_empty_rank, "auto_with_a_failing_rank": auto_with_a_failing_rank,
+             "auto_left_early_on_one_rank": auto_left_early_on_one_rank,
+             "lockstep_without_stages": lockstep_without_stages}
 
 
 def _join(rank: int, world_size: int) -> None:

@@ -298,7 +298,7 @@ def test_auto_echo_keeps_the_ranks_in_lockstep_while_one_straggles(tmp_path):
     assert len(slow["counts"]) == len(fast["counts"]) == 200, "every example of each shard at least once"
     assert fast["repeats"] > slow["repeats"], "the fast rank repeats while the straggler's reads catch up"
     assert slow["echo_before_repeats"] > fast["echo_before_repeats"], "the straggler echoes more as it reads"
-    assert slow["agreement_s"] < 0.05 * slow["wall_s"], "the ranks' agreement costs little"
+    # What the agreement costs is timed by bench/bench_stragglers.py, against a job without it.
 
 
 def test_lightning_ddp_gives_each_rank_its_shard_of_a_loader_handed_to_fit(tmp_path):

@@ -164,7 +164,7 @@ def _build(chain: Chain, plan: Plan, structure: Structure | None, source: EpochS
                                           chain.pull_lock, states.get("augment"))
         last, read_batch = _add(chain, augmenting), augmenting.read_batch
     if plan.lockstep is not None:
-        last = _add(chain, lockstep.LockstepStage(plan.lockstep, last, chain.group))
+        last = _add(chain, lockstep.LockstepStage(plan.lockstep, last, chain.group, chain.failure))
     if plan.delivery is not None:
         _add(chain, delivery.DeliveryStage(plan.delivery, last, states.get("delivery"), read_batch))
 

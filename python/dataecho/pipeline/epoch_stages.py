@@ -17,7 +17,7 @@ from typing import Any, Callable
 from ..examples.structure import Structure
 from ..reading.restart import Mark
 from ..reading.source import SAMPLE, EpochSource
-from . import checkpoint
+from . import checkpoint, lockstep
 from .chain import JOIN_TIMEOUT_S, Chain, build_chain
 from .intake import start_probe
 from .plan import Plan
@@ -98,18 +98,29 @@ class EpochStages:
             return
         structure, probing, first = self.structure, self._probing, []
         if structure is None and not self._plan.reads_batches:  # which learns it from its first batch
-            first = probing.probe.examples(timeout_s) if probing is not None else self.source.first()
-            if first is None:  # a worker failed, or the epoch was stopped
-                self.chain.failure.raise_if_set()
-                raise StopIteration
-            structure = self.structure = self.source.structure_of(
-                first, self._plan.output.declared_ragged, self._plan.output.strict)
+            try:
+                first = probing.probe.examples(timeout_s) if probing is not None else self.source.first()
+                if first is None:  # a worker failed, or the epoch was stopped
+                    self.chain.failure.raise_if_set()
+                    raise StopIteration
+                structure = self.structure = self.source.structure_of(
+                    first, self._plan.output.declared_ragged, self._plan.output.strict)
+            except BaseException:
+                self._agree_without_stages(failed=True)  # the other ranks' lockstep learns it stopped
+                raise
             if structure is None:  # an empty epoch
                 self.built = True
+                self._agree_without_stages(failed=False)  # raises unless every rank is empty
                 return
             self._on_structure(structure)
         self._build(structure, first if probing is None else [], probing)
         self._probing = None  # the intake stage owns them now
+
+    def _agree_without_stages(self, failed: bool) -> None:
+        """Ranks kept in lockstep: this rank's part of the epoch's first
+        agreement, where it builds no stages (dataecho.pipeline.lockstep)."""
+        if self._plan.lockstep is not None:
+            lockstep.agree_without_stages(self.chain.group, failed=failed)
 
     def next(self, timeout_s: float | None) -> Batch:
         """The last stage's next batch (building the chain first where needed)."""

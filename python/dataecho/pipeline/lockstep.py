@@ -150,20 +150,22 @@ class LockstepStage:
     the ones upstream, so a StopIteration that the stop causes upstream reaches
     the consumer after that store (the GIL hand-over orders them). Where a
     failing stage thread closes its own output before its stop reaches this
-    stage, next() sees the flag a call later (or after the first agreement).
+    stage, it has recorded its error first (``failure``), which next() reads
+    as a stop too.
 
     Args:
         spec: the stage's settings.
         upstream: the stage before.
         group: the ``torch.distributed`` process group (gloo) the ranks agree on.
+        failure: the epoch's first error of any stage thread (workers/failure.py), or None.
     """
 
     name = "lockstep"
     unresumable = ("saving a position mid-epoch with echo_factor='auto' on several ranks is not supported: "
                    "its batches depend on timing")
 
-    def __init__(self, spec: LockstepSpec, upstream: Stage, group: Any) -> None:
-        self._spec, self._upstream = spec, upstream
+    def __init__(self, spec: LockstepSpec, upstream: Stage, group: Any, failure: Any = None) -> None:
+        self._spec, self._upstream, self._failure = spec, upstream, failure
         self._agreements = _Agreements(group)
         self._recent: deque[Batch] = deque(maxlen=spec.recent)
         self._delivered = 0
@@ -200,7 +202,7 @@ class LockstepStage:
         started = time.perf_counter()
         statuses = self._agreements.exchange(READING if batch is not None else EMPTY)
         self.wait_s += time.perf_counter() - started
-        if batch is None and self._halted:
+        if batch is None and self._stopping:
             # A stage thread's error closed its output before its stop reached this stage, so this
             # rank posted EMPTY; the others raise on that, and this rank's epoch raises the error itself.
             raise StopIteration
@@ -228,7 +230,7 @@ class LockstepStage:
         try:
             batch = self._upstream.next(timeout_s)
         except StopIteration:
-            if not self._halted:
+            if not self._stopping:
                 self._done = True
                 return None
             self._leave()
@@ -238,6 +240,11 @@ class LockstepStage:
             raise
         self._recent.append(batch)
         return batch
+
+    @property
+    def _stopping(self) -> bool:
+        """The epoch is stopping: stop() was called, or a stage thread failed."""
+        return self._halted or (self._failure is not None and self._failure.error is not None)
 
     def _leave(self) -> None:
         """Posts STOPPED as this rank's next agreement. Mid-epoch it does not
