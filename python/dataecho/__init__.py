@@ -25,11 +25,11 @@ __all__ = ["BufferClosed", "EchoLoader", "JaxRagged", "Padded", "Ragged", "Shuff
            "__version__", "get_worker_info", "to_jax"]
 __version__ = "0.1.0"
 
-_INTEGRATIONS = ("grain", "nodes")
+_INTEGRATIONS = ("grain", "nodes", "transformers")
 
 
 def __getattr__(name: str) -> Any:
-    # dataecho.grain and dataecho.nodes import their library: only when asked for.
+    # dataecho.grain, dataecho.nodes and dataecho.transformers import their library: only when asked for.
     if name in _INTEGRATIONS:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
