@@ -238,7 +238,7 @@ def _check_elastic(case: dict[str, Any], reference: list, saved: list, resumed: 
     assert [after for _, after in resumed] == [rank[1] for rank in fresh], "the next epoch differs from a fresh job's"
 
 
-def _step(case: dict[str, Any]) -> tuple[Any, Any, Any]:
+def pipeline_step(case: dict[str, Any]) -> tuple[Any, Any, Any]:
     """A pipeline's echo step, fresh: (an iterator over it, its state, load a state into it)."""
     options = {"shuffle_buffer": case["shuffle_buffer"], "seed": 5, "batch_size": case["batch_size"],
                "augment": noisy if case["augment"] else None}
@@ -263,13 +263,13 @@ def _step(case: dict[str, Any]) -> tuple[Any, Any, Any]:
 def _check_pipeline(case: dict[str, Any]) -> None:
     """A Grain or torchdata pipeline's echo: interrupted, resumed in a fresh
     pipeline from its state, is its uninterrupted epoch."""
-    reference, _, _ = _step(case)
+    reference, _, _ = pipeline_step(case)
     whole = [ids(item) for item in reference]
     cut = {"start": 0, "last": len(whole)}.get(case["moment"], int(case["cut"] * len(whole)))
-    interrupted, state_of, _ = _step(case)
+    interrupted, state_of, _ = pipeline_step(case)
     taken = [ids(next(interrupted)) for _ in range(cut)]
     state = _travel(state_of(), case["transport"])
-    resumed, _, load = _step(case)
+    resumed, _, load = pipeline_step(case)
     load(state)
     assert taken + [ids(item) for item in resumed] == whole, f"resumed after element {cut} of {len(whole)}"
 

@@ -183,3 +183,25 @@ def test_an_iterable_with_augment_takes_back_its_own_states_after_its_source_end
         rest = [ids(b) for b in resumed]
         assert taken[:cut] + rest == reference, f"resumed after batch {cut}"
     assert Counter(i for b in taken for i in b) == Counter({i: 2 for i in range(N)})
+
+
+@pytest.mark.parametrize("library", ["grain", "nodes"])
+def test_a_pipelines_echo_with_augment_takes_back_its_states_once_its_upstream_ended(library):
+    # The echo step reads its upstream to the end well before its last element
+    # behind an augment stage: every state from then on resumes a fresh pipeline.
+    pytest.importorskip("grain" if library == "grain" else "torchdata")
+    from checkpoint_cases import ids as item_ids
+    from checkpoint_cases import pipeline_step
+
+    case = {"source": library, "n": 120, "echo_factor": 2, "batch_size": 8, "shuffle_buffer": 64, "augment": True}
+    reference, _, _ = pipeline_step(case)
+    whole = [item_ids(item) for item in reference]
+    running, state_of, _ = pipeline_step(case)
+    states = []
+    for taken in range(1, len(whole) + 1):
+        assert item_ids(next(running)) == whole[taken - 1]
+        states.append(json.loads(json.dumps(state_of())))
+    for cut in range(len(whole) - 10, len(whole) + 1):
+        resumed, _, load = pipeline_step(case)
+        load(states[cut - 1])
+        assert whole[:cut] + [item_ids(item) for item in resumed] == whole, f"resumed after element {cut}"
