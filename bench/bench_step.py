@@ -182,9 +182,7 @@ def loader_time(make, step: Step, steps: int) -> float:
     try:
         return step_time(batches, step, steps)
     finally:
-        batches.close()
-        if isinstance(loader, dataecho.EchoLoader):
-            loader.close()
+        common.stop_contestant(batches, loader)
         del loader, batches
         gc.collect()  # DataLoader's persistent workers end as its iterator is collected
 

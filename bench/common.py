@@ -59,6 +59,32 @@ def print_table(header: Sequence[str], rows: Sequence[Sequence[str]], left: Sequ
         print(line(row))
 
 
+def print_document(doc: dict[str, Any]) -> None:
+    """Prints a benchmark's result as the device check reads it (``--json``):
+    the machine and reading direction, each table, the targets and the notes."""
+    print()
+    print_header(doc["machine"], f"device: {doc['device']}\n{doc['reading']}")
+    for table in doc["tables"]:
+        print(f"\n{table['title']}")
+        if table["rows"]:
+            print_table(table["header"], table["rows"])
+        else:
+            print("  (no rows)")
+    print()
+    print_targets(doc["targets"])
+    for note in doc["notes"]:
+        print(f"- {note}")
+    print(f"({doc['seconds']:.1f} s)", flush=True)
+
+
+def stop_contestant(batches: Any, loader: Any) -> None:
+    """Ends a timed contestant: its batch generator, and an EchoLoader (a
+    DataLoader's workers end as its iterator is collected: drop it, then collect)."""
+    batches.close()
+    if isinstance(loader, dataecho.EchoLoader):
+        loader.close()
+
+
 def print_targets(checks: list[dict[str, Any]]) -> None:
     """Prints each target (``target``, ``shown``, ``met``: True, False, or None
     where it could not be measured here) as met, NOT met or skipped."""

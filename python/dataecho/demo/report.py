@@ -44,21 +44,28 @@ def _final(run: Run) -> float:
     return run.history[-1][3] if run.history else 0.0
 
 
-def table(runs: list[Run], target: float, metric: Metric = ACCURACY) -> str:
-    """Time to the target, fresh input, steps, the final measure, speed-up over the baseline."""
+def rows(runs: list[Run], metric: Metric = ACCURACY) -> tuple[list[str], list[list[str]]]:
+    """The table's header and its rows, as text cells (one row per run): time to
+    the target, fresh input, steps, the final measure, speed-up over the first run."""
     base = runs[0].reached[0] if runs and runs[0].reached else math.nan
-    header = ("configuration", "time to target", metric.fresh, "steps", f"final {metric.short}", "speed-up")
-    rows = []
+    header = ["configuration", "time to target", metric.fresh, "steps", f"final {metric.short}", "speed-up"]
+    cells = []
     for run in runs:
         if run.reached:
             seconds, fresh, steps, _ = run.reached
-            rows.append((run.config.name, f"{seconds:.1f} s", f"{fresh:,}", f"{steps:,}",
-                         f"{_final(run):.3f}", f"{base / seconds:.2f}x" if base == base else "-"))
+            cells.append([run.config.name, f"{seconds:.1f} s", f"{fresh:,}", f"{steps:,}",
+                          f"{_final(run):.3f}", f"{base / seconds:.2f}x" if base == base else "-"])
         else:
             last = run.history[-1] if run.history else (0.0, 0, 0, 0.0)
-            rows.append((run.config.name, f"> {last[0]:.0f} s (not reached)", f"{last[1]:,}", f"{last[2]:,}",
-                         f"{_final(run):.3f}", "-"))
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+            cells.append([run.config.name, f"> {last[0]:.0f} s (not reached)", f"{last[1]:,}", f"{last[2]:,}",
+                          f"{_final(run):.3f}", "-"])
+    return header, cells
+
+
+def table(runs: list[Run], target: float, metric: Metric = ACCURACY) -> str:
+    """Time to the target, fresh input, steps, the final measure, speed-up over the baseline."""
+    header, cells = rows(runs, metric)
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
     lower = "" if metric.higher_is_better else ", lower is better"
     lines = [
         f"target: {metric.name} {target:.2f}{metric.unit}{lower} (mean of the last 3 evaluations, every "
@@ -66,7 +73,7 @@ def table(runs: list[Run], target: float, metric: Metric = ACCURACY) -> str:
         "",
     ]
     lines.append("  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths))))
-    for r in rows:
+    for r in cells:
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
     return "\n".join(lines)
 

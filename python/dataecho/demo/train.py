@@ -47,11 +47,13 @@ CONFIGS = (
 
 @dataclass
 class Run:
-    """What one configuration did. `history` rows: (seconds, fresh, steps, accuracy)."""
+    """What one configuration did. `history` rows: (seconds, fresh, steps, accuracy);
+    `stats`: the loader's ``stats()`` once it closed (echo factor achieved, waits)."""
 
     config: Config
     history: list[tuple[float, int, int, float]] = field(default_factory=list)
     reached: tuple[float, int, int, float] | None = None  # the first row at or over the target
+    stats: dict[str, Any] = field(default_factory=dict)
 
 
 def make_net(torch: Any) -> Any:
@@ -65,9 +67,13 @@ def make_net(torch: Any) -> Any:
 
 
 def make_loader(config: Config, dataset: PngDigits, augment: Augment, *, batch_size: int, workers: int,
-                seed: int, device: Any) -> dataecho.EchoLoader:
+                seed: int, device: Any, worker_type: str = "thread") -> dataecho.EchoLoader:
+    """The loader of `config`. `worker_type` "process" reads, decodes and
+    augments in worker processes (kept from one epoch to the next), leaving the
+    training process's GIL to the step; "thread" (the default) in threads."""
     after = config.placement == "after"
     cuda = device is not None and str(device).startswith("cuda")
+    processes = {"worker_type": "process", "persistent_workers": True} if worker_type == "process" else {}
     return dataecho.EchoLoader(
         dataset,
         batch_size=batch_size,
@@ -82,23 +88,24 @@ def make_loader(config: Config, dataset: PngDigits, augment: Augment, *, batch_s
         output="torch",
         pin_memory=cuda,
         device=device if cuda else None,
+        **processes,
     )
 
 
-def train(config: Config, dataset: PngDigits, validation: tuple[np.ndarray, np.ndarray], *, target: float,
-          max_seconds: float, batch_size: int, workers: int, eval_every: int, seed: int, device: str,
-          progress: Callable[[Run, float], None]) -> Run:
-    """Trains a fresh model from the same initial weights until `target`."""
-    import torch
+def make_trainer(torch: Any, validation: tuple[np.ndarray, np.ndarray], *, seed: int,
+                 device: str) -> tuple[Callable[[dict], None], Callable[[], float]]:
+    """A fresh model, from the initial weights `seed` gives, on `device`.
 
+    Returns:
+        ``step(batch)``, one Adam step on a batch of the loader's, and
+        ``evaluate()``, the model's accuracy on `validation`.
+    """
     torch.manual_seed(seed)
     model = make_net(torch).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
     val_x = torch.from_numpy(validation[0]).to(device)
     val_y = torch.from_numpy(validation[1]).to(device)
-    augment = Augment(seed)
-    loader = make_loader(config, dataset, augment, batch_size=batch_size, workers=workers, seed=seed,
-                         device=device if device != "cpu" else None)
+
     def step(batch: dict) -> None:
         images, labels = batch["image"].to(device), batch["label"].to(device)
         loss = torch.nn.functional.cross_entropy(model(images), labels)
@@ -110,6 +117,18 @@ def train(config: Config, dataset: PngDigits, validation: tuple[np.ndarray, np.n
         with torch.no_grad():
             return float((model(val_x).argmax(1) == val_y).float().mean())
 
+    return step, evaluate
+
+
+def train(config: Config, dataset: PngDigits, validation: tuple[np.ndarray, np.ndarray], *, target: float,
+          max_seconds: float, batch_size: int, workers: int, eval_every: int, seed: int, device: str,
+          progress: Callable[[Run, float], None], worker_type: str = "thread") -> Run:
+    """Trains a fresh model from the same initial weights until `target`."""
+    import torch
+
+    step, evaluate = make_trainer(torch, validation, seed=seed, device=device)
+    loader = make_loader(config, dataset, Augment(seed), batch_size=batch_size, workers=workers, seed=seed,
+                         device=device if device != "cpu" else None, worker_type=worker_type)
     return fit(Run(config), loader, step, evaluate, lambda: int(loader.stats()["fresh"]), target=target,
                higher_is_better=True, max_seconds=max_seconds, eval_every=eval_every, progress=progress)
 
@@ -122,7 +141,8 @@ def fit(run: Run, loader: dataecho.EchoLoader, step: Callable[[Any], None], eval
     closes the loader.
 
     Returns:
-        `run`, its history rows (seconds, fresh(), steps, evaluate()).
+        `run`, its history rows (seconds, fresh(), steps, evaluate()) and the
+        loader's stats.
     """
     start, steps = time.perf_counter(), 0
     try:
@@ -146,4 +166,5 @@ def fit(run: Run, loader: dataecho.EchoLoader, step: Callable[[Any], None], eval
                     break
     finally:
         loader.close()
+    run.stats = loader.stats()
     return run

@@ -64,6 +64,7 @@ class AugmentSpec:
         declared_ragged: leaf paths of augment's output declared ragged.
         ragged_bytes: the output's page heap budget, or None.
         pinned_batches: page-locked batch blocks for the output buffer (0: none).
+        pinned_device: the CUDA device they are page-locked for (its context), or None.
     """
 
     augment: Callable[..., Any]
@@ -81,6 +82,7 @@ class AugmentSpec:
     declared_ragged: frozenset[str] | None
     ragged_bytes: int | None
     pinned_batches: int
+    pinned_device: Any = None
     processes: int = 0
     start_method: str | None = None
 
@@ -127,7 +129,7 @@ class AugmentStage:
             prefetch=spec.prefetch, initial=spec.batch_size, deterministic=spec.deterministic,
             in_order=spec.in_order, window=reorder_window(spec.capacity, spec.batch_size) if spec.deterministic else 0,
         )
-        self._pinned_batches, self._chunk = spec.pinned_batches, spec.batch_size
+        self._pinned, self._chunk = (spec.pinned_batches, spec.pinned_device), spec.batch_size
         self._ragged, self._ragged_bytes = spec.declared_ragged, spec.ragged_bytes
         # Output batches that had left the output buffer when the state was taken: yielded first.
         self._replay: deque[dict[str, np.ndarray]] = deque(resume["queued"] if resume else [])
@@ -335,8 +337,8 @@ class AugmentStage:
                 config.pages, config.page_bytes = ragged_heap(structure, config.capacity, self._ragged_bytes,
                                                               self._OBJECTS)
                 output = NativeBuffer(structure.fields(), config, self._restore, None, self._OBJECTS)
-                if self._pinned_batches:
-                    pin_batch_memory(output, self._pinned_batches)
+                if self._pinned[0]:
+                    pin_batch_memory(output, *self._pinned)
                 self.output = output
                 self.ready.set()
             return self.output

@@ -15,6 +15,8 @@ again and hands them out first, with a device or without one.
 
 from __future__ import annotations
 
+import threading
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -60,7 +62,12 @@ class DeliveryStage:
     def __init__(self, spec: DeliverySpec, upstream: Stage, resume: dict[str, Any] | None = None,
                  read_batch: Callable[[dict[str, np.ndarray]], Batch] | None = None) -> None:
         self._upstream = upstream
-        self._mover = DeviceMover(spec.device) if spec.device is not None else None
+        # Unreleased copies bounded as the pinned pool is sized (dataecho.pipeline.plan): the batch
+        # handed out and the next, in flight.
+        self._mover = DeviceMover(spec.device, max_unreleased=_AHEAD) if spec.device is not None else None
+        # Held around each use of the mover: next() runs in the consumer's thread, join() in
+        # whichever thread closes the epoch (loader.close() from another thread, a finalizer).
+        self._mover_lock = threading.Lock()
         self._padding = spec.padding
         # Restored from a checkpoint: batches that were on their way out, handed out first.
         self._replay: deque[dict[str, np.ndarray]] = deque(resume["in_flight"] if resume else [])
@@ -82,13 +89,17 @@ class DeliveryStage:
             leaves = batch.arrays if self._padding is None else padded_leaves(batch.arrays, self._padding)
             kept = [_host(leaf) for leaf in leaves]
             host = [tensors for _, tensors, _ in kept if tensors is not None]
-            self._mover.submit(host, on_done=host.clear)
+            with self._mover_lock:
+                if self._mover.closed:  # the epoch was closed meanwhile, from another thread
+                    raise StopIteration
+                self._mover.submit(host, on_done=host.clear)
             self._in_flight.append((Batch(batch.structure, (), batch.rows, batch.deliveries),
                                     [(kind, extra) for kind, _, extra in kept]))
-        if len(self._mover) == 0:
-            raise StopIteration
-        taken, kept = self._in_flight.popleft()
-        moved = iter(self._mover.take())
+        with self._mover_lock:
+            if self._mover.closed or len(self._mover) == 0:
+                raise StopIteration
+            taken, kept = self._in_flight.popleft()
+            moved = iter(self._mover.take())
         leaves = tuple(extra if kind == "object" else _device(kind, next(moved), extra) for kind, extra in kept)
         return Batch(taken.structure, leaves, taken.rows, taken.deliveries)
 
@@ -99,12 +110,24 @@ class DeliveryStage:
         return self._upstream.next(timeout_s)
 
     def stop(self) -> None:
-        pass  # the mover is the consumer's: join() closes it, in the consumer's thread
+        pass  # join() closes the mover: it waits for the copies, which stop() must not
 
     def join(self, timeout_s: float) -> None:
-        """Waits for the copies in flight and gives their host memory back."""
-        if self._mover is not None:
-            self._mover.close()
+        """Waits for the copies in flight and gives their host memory back.
+
+        Never raises: the epoch joins the stages before this one after it. A
+        failure (the device failed, as after a CUDA error in the training step,
+        or a batch's memory could not be given back) is a RuntimeWarning; the
+        training loop has seen the error that caused it.
+        """
+        if self._mover is None:
+            return
+        with self._mover_lock:  # a next() in another thread finishes its submit or take first
+            try:
+                self._mover.close()
+            except Exception as exc:  # noqa: BLE001 - reported, and the other stages still join
+                warnings.warn(f"EchoLoader: closing the device copies: {type(exc).__name__}: {exc}",
+                              RuntimeWarning, stacklevel=2)
 
     def state(self, timeout_s: float | None = None) -> dict[str, Any]:
         """The batches taken from upstream and not yet handed out, oldest first."""

@@ -162,24 +162,34 @@ class DeviceMover:
             the copied values; ``record_stream`` keeps the caching allocator
             from reusing a device tensor's memory (allocated on the copy
             stream) until the consumer's queued work is done with it.
+        (S4) With ``max_unreleased``, ``submit`` first waits on the host for
+            the oldest copies (S2) until fewer than that many batches are
+            unreleased: a consumer faster than the link waits for it instead of
+            holding ever more host blocks (past a pool's pinned blocks, batches
+            would go to pageable memory, whose copies are not asynchronous).
+            The copy stream waits on nothing else, so that wait always ends.
 
     Invariants: ``len(self)`` batches are submitted and not taken; every
     accepted batch's ``on_done`` runs exactly once, in submission order, at the
-    latest in ``close()``. The mover keeps each host tree alive until its
-    on_done runs. Not thread-safe: use it from the consumer thread; on_done
-    runs on that thread, inside ``submit``, ``take``, ``poll`` or ``close``.
+    latest in ``close()``, unless the device failed before its copy could be
+    seen complete (then never: see ``close``). The mover keeps each host tree
+    alive until its on_done runs, and for its own life where that never comes.
+    Not thread-safe: one thread at a time (the consumer's, or the one that
+    closes it); on_done runs inside ``submit``, ``take``, ``poll`` or ``close``.
 
     Args:
         device: the target device, e.g. ``"cuda"``, ``"cuda:1"`` or ``"cpu"``.
         backend: the :class:`Backend`; None picks :class:`CudaBackend` for a
             CUDA device and :class:`CpuBackend` for ``"cpu"``.
+        max_unreleased: at most this many batches submitted and not yet
+            released (S4), or None: no bound.
 
     Raises:
         RuntimeError: a CUDA device without CUDA available.
         ValueError: another device type with no backend given.
     """
 
-    def __init__(self, device: Any, backend: Backend | None = None) -> None:
+    def __init__(self, device: Any, backend: Backend | None = None, max_unreleased: int | None = None) -> None:
         torch = import_torch()
         self.device = torch.device(device)
         if backend is None:
@@ -195,6 +205,9 @@ class DeviceMover:
         self.stream = backend.new_stream()
         self._ready: deque[tuple[Any, Any]] = deque()  # (device tree, event), not yet taken
         self._pending: deque[tuple[Any, Any, Callable[[], Any] | None]] = deque()  # (event, host tree, on_done)
+        # Host trees whose copies could not be seen complete (the device failed): never released.
+        self._unconfirmed: list[Any] = []
+        self._max_unreleased = max_unreleased
         self._closed = False
 
     def submit(self, host_tree: Any, on_done: Callable[[], Any] | None = None) -> None:
@@ -214,6 +227,8 @@ class DeviceMover:
         if self._closed:
             raise RuntimeError("DeviceMover.submit(): the mover is closed")
         map_tree(self._check_leaf, host_tree, "host_tree")
+        while self._max_unreleased is not None and len(self._pending) >= max(1, self._max_unreleased):
+            self._release_oldest()  # (S4)
         backend, stream = self._backend, self.stream
         event = backend.new_event()
         try:
@@ -224,8 +239,13 @@ class DeviceMover:
             backend.record(event, stream)  # (S1)
         except BaseException:
             # Some copies may be queued: wait for them so the caller may reuse the memory.
-            backend.record(event, stream)
-            backend.synchronize(event)
+            # Where the device itself failed that wait fails too: the error that
+            # reaches the caller is the copy's, and the host tree is kept, unreleased.
+            try:
+                backend.record(event, stream)
+                backend.synchronize(event)
+            except Exception:  # noqa: BLE001 - the copy's own error is raised below
+                self._unconfirmed.append(host_tree)
             raise
         self._ready.append((device_tree, event))
         self._pending.append((event, host_tree, on_done))
@@ -269,20 +289,40 @@ class DeviceMover:
                 on_done()
         return released
 
+    def _release_oldest(self) -> None:
+        """Waits on the host for the oldest unreleased batch's copy, then releases it."""
+        event, _, on_done = self._pending[0]
+        self._backend.synchronize(event)  # (S2); raises where the device failed: the batch stays for close()
+        self._pending.popleft()
+        if on_done is not None:
+            on_done()
+
     def close(self) -> None:
         """Waits for every outstanding copy, runs each pending ``on_done`` and
-        drops the batches not taken. Idempotent.
+        drops the batches not taken. Idempotent; never blocks for ever (every
+        copy is queued on the copy stream, which waits on nothing else).
+
+        Where a wait fails (the device failed: a CUDA error in the training
+        step, say, leaves the context unusable), that batch's copy cannot be
+        seen complete: its on_done is not called, and its host tree is kept,
+        never released, so that its memory is not reused under a copy. Every
+        other batch is still waited for and released.
 
         Raises:
-            Exception: the first exception an on_done raised, after every
-                other on_done has run.
+            Exception: the first exception a wait or an on_done raised, after
+                every batch has been waited for or given up on.
         """
         self._closed = True
         self._ready.clear()
         error: BaseException | None = None
         while self._pending:
-            event, _, on_done = self._pending.popleft()
-            self._backend.synchronize(event)  # (S2)
+            event, host_tree, on_done = self._pending.popleft()
+            try:
+                self._backend.synchronize(event)  # (S2)
+            except Exception as exc:  # the device failed: keep the memory, go on with the others
+                self._unconfirmed.append(host_tree)
+                error = error or exc
+                continue
             try:
                 if on_done is not None:
                     on_done()

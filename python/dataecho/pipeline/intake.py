@@ -65,7 +65,7 @@ class IntakeSpec:
             from the first examples).
         exact: rows carry their positions: a state names every example.
         unresumable: why no state can be taken mid-epoch, or None.
-        pinned_batches: page-locked batch blocks for the echo buffer (0: none).
+        pinned_batches, pinned_device: page-locked batch blocks for the echo buffer (0: none), for a device.
     """
 
     source: SourceSpec
@@ -86,6 +86,7 @@ class IntakeSpec:
     exact: bool
     unresumable: str | None
     pinned_batches: int
+    pinned_device: Any = None
 
 
 class IntakeStage:
@@ -130,7 +131,7 @@ class IntakeStage:
                                     None if shared else source.memory, objects)
         try:
             if spec.pinned_batches:
-                pin_batch_memory(self._buffer, spec.pinned_batches)
+                pin_batch_memory(self._buffer, spec.pinned_batches, spec.pinned_device)
             if probing is not None:
                 self._attach(probing)
             else:

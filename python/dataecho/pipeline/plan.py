@@ -193,6 +193,7 @@ def _intake(config: LoaderConfig, source: SourceSpec, exact: bool) -> IntakeSpec
         deterministic=config.deterministic, exact_echo=config.exact_echo and echo.per_example,
         in_order=config.in_order, ragged_bytes=config.ragged_bytes, exact=exact,
         unresumable=_unresumable(config), pinned_batches=_pinned_batches(config) if config.augment is None else 0,
+        pinned_device=config.device,
     )
 
 
@@ -236,6 +237,7 @@ def _augment(config: LoaderConfig, exact: bool) -> AugmentSpec:
         capacity=max(4 * config.batch_size, 256), batch_size=config.batch_size, drop_last=config.drop_last,
         prefetch=config.prefetch, deterministic=config.deterministic, in_order=config.in_order,
         declared_ragged=config.ragged, ragged_bytes=config.ragged_bytes, pinned_batches=_pinned_batches(config),
+        pinned_device=config.device,
     )
 
 

@@ -3,6 +3,7 @@ device run asynchronously: allocated once, handed to a buffer's batch pool."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 from .. import _checks
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
 
 __all__ = ["allocate_pinned", "pin_batch_memory", "pinned_pointers"]
 
-def allocate_pinned(nbytes: int, count: int) -> list[torch.Tensor]:
+def allocate_pinned(nbytes: int, count: int, device: Any = None) -> list[torch.Tensor]:
     """Allocates ``count`` page-locked host blocks of ``nbytes`` bytes each.
 
     Pinned memory lets host-to-device copies run asynchronously. The blocks
@@ -23,12 +24,17 @@ def allocate_pinned(nbytes: int, count: int) -> list[torch.Tensor]:
     Args:
         nbytes: bytes per block.
         count: number of blocks.
+        device: the CUDA device the blocks are copied to, or None. They are
+            allocated with it as the current device: in a process that has not
+            used CUDA yet, page-locking creates a context on the current device
+            (device 0 unless set), which on another rank's GPU costs its memory.
 
     Returns:
         ``count`` one-dimensional uint8 CPU tensors of ``nbytes`` elements.
 
     Raises:
-        RuntimeError: CUDA is not available (checked before allocating).
+        RuntimeError: CUDA is not available (checked before allocating), or the
+            memory could not be page-locked (the blocks locked so far are freed).
         TypeError, ValueError: a bad argument, named in the message.
     """
     nbytes = _checks.positive_int("nbytes", nbytes)
@@ -40,7 +46,24 @@ def allocate_pinned(nbytes: int, count: int) -> list[torch.Tensor]:
             f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
             f"use pin_memory=False"
         )
-    return [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(count)]
+    device = torch.device(device) if device is not None else None
+    blocks: list[torch.Tensor] = []
+    with torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext():
+        for i in range(count):
+            try:
+                blocks.append(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+            except RuntimeError as exc:  # cudaHostAlloc failed: out of page-lockable memory, say
+                blocks.clear()  # gives the blocks locked so far back
+                raise RuntimeError(
+                    f"pin_memory=True: could not page-lock batch memory, block {i + 1} of {count} "
+                    f"({_mib(nbytes)} each, {_mib(nbytes * count)} in all): {exc}. Use pin_memory=False, or "
+                    f"fewer or smaller batches in flight (batch_size, prefetch_factor)"
+                ) from exc
+    return blocks
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
 
 
 def pinned_pointers(blocks: list[torch.Tensor]) -> list[tuple[int, int]]:
@@ -60,9 +83,10 @@ def pinned_pointers(blocks: list[torch.Tensor]) -> list[tuple[int, int]]:
     return out
 
 
-def pin_batch_memory(buffer: Any, count: int) -> None:
+def pin_batch_memory(buffer: Any, count: int, device: Any = None) -> None:
     """Gives ``buffer`` (a NativeBuffer) ``count`` page-locked blocks of batch
-    memory, allocated once; past those its pool falls back to pageable memory."""
-    blocks = allocate_pinned(buffer.batch_bytes, count)
+    memory, allocated once (for ``device``: see :func:`allocate_pinned`); past
+    those its pool falls back to pageable memory."""
+    blocks = allocate_pinned(buffer.batch_bytes, count, device)
     for block, (address, nbytes) in zip(blocks, pinned_pointers(blocks)):
         buffer.add_batch_memory(address, nbytes, block)
