@@ -1,5 +1,6 @@
 """Data echoing against a slow upstream: wall time for N training steps at echo
-factors 1, 2, 4 and "auto", beside the ideal speed-up.
+factors 1, 2, 4 and "auto", and with batch echoing at 2 ("batch 2"), beside the
+ideal speed-up.
 
 Workload: an ``EchoLoader`` over a map-style dataset whose ``__getitem__`` is
 slow, feeding a training loop whose step costs a fixed time (a sleep: an
@@ -64,9 +65,10 @@ def run(source, echo, steps: int, warmup: int, step_s: float, batch_size: int, w
         ``seconds`` for the timed steps, the echo factor achieved over them, and
         the share of the loop's time spent waiting for batches.
     """
-    loader = dataecho.EchoLoader(
-        source, batch_size=batch_size, echo_factor=echo, num_workers=workers, shuffle_buffer=SHUFFLE_BUFFER, seed=0
-    )
+    placement = {"echo_factor": echo, "shuffle_buffer": SHUFFLE_BUFFER}
+    if echo == BATCH_ECHO:  # whole batches repeated, from a shuffle buffer of batches
+        placement = {"echo_factor": 2.0, "echo_at": "batch"}
+    loader = dataecho.EchoLoader(source, batch_size=batch_size, num_workers=workers, seed=0, **placement)
     it = iter(loader)
     for _ in range(warmup):
         next(it)
@@ -92,7 +94,8 @@ BATCH_SIZE = 32
 WORKERS = 2
 MAX_ECHO = 4.0  # for echo_factor="auto"
 STEP_S = 0.008
-ECHOES = (1.0, 2.0, 4.0, "auto")
+BATCH_ECHO = "batch 2"  # echo_at="batch", echo_factor=2
+ECHOES = (1.0, 2.0, 4.0, "auto", BATCH_ECHO)
 
 
 def describe(steps: int, warmup: int) -> str:
@@ -129,7 +132,7 @@ def run_matrix(steps: int, warmup: int) -> list[dict]:
             if base is None:
                 base = per_step
                 ratio = base / STEP_S  # R: how much slower the upstream is than the step
-            e = MAX_ECHO if echo == "auto" else echo
+            e = MAX_ECHO if echo == "auto" else 2.0 if echo == BATCH_ECHO else echo
             ideal = min(e, max(ratio, 1.0))
             speedup = base / per_step
             rows.append({
@@ -168,7 +171,7 @@ def targets(rows: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs both upstreams at echo factors 1, 2, 4 and auto and prints the table."""
+    """Runs both upstreams at echo factors 1, 2, 4, auto and batch 2, and prints the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps (about 30 s in all)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 120, quick 40)")

@@ -589,3 +589,21 @@ def test_bad_arguments(kwargs, error, pattern):
     args = {"dataset": range(100), **kwargs}
     with pytest.raises(error, match=pattern):
         dataecho.EchoLoader(**args)
+
+
+@pytest.mark.filterwarnings("ignore:num_workers=6:UserWarning")  # more worker processes than cores here
+@pytest.mark.parametrize("kwargs", [{}, {"echo_factor": 1}, {"echo_at": "batch"}, {"echo_at": "batch", "echo_factor": 1},
+                                    {"worker_type": "process"}])
+def test_deterministic_workers_claim_chunks_within_the_echo_buffers_reorder_window(kwargs):
+    # Each of the workers keeps two chunks in flight within the window the echo
+    # buffer takes examples in through; a chunk as large as the window (batch
+    # echoing once claimed a batch each against a window of one) lets one worker
+    # read at a time.
+    from dataecho.native.sizing import reorder_window
+    from dataecho.pipeline.plan import plan
+
+    loader = dataecho.EchoLoader(Records(4000), batch_size=64, num_workers=6, seed=0, **kwargs)
+    intake = plan(loader.config).intake
+    window = reorder_window(intake.capacity, 64)
+    assert 2 * 6 * intake.workers.chunk(64, 6) <= max(window, 2 * 6), (intake.capacity, window)
+    loader.close()

@@ -154,11 +154,13 @@ def _marks(config: LoaderConfig) -> bool:
     return mode == "skip" or config.augment is None or config.augment_takes_rng
 
 
-def _workers(config: LoaderConfig) -> WorkersSpec:
+def _workers(config: LoaderConfig, capacity: int | None = None) -> WorkersSpec:
+    """Who reads; ``capacity``: the echo buffer's examples, whose reorder window
+    (deterministic intake) bounds how far ahead the workers' chunks may reach."""
     kind = "inline" if config.workers == 0 else config.worker_type
+    window = reorder_window(capacity, config.batch_size) if config.deterministic and capacity is not None else 0
     return WorkersSpec(kind, max(1, config.workers), config.auto_workers, config.start_method, config.worker_init_fn,
-                       window=reorder_window(config.shuffle_buffer, config.batch_size)
-                       if config.deterministic and config.echo.per_example else 0)
+                       window=window)
 
 
 def _intake(config: LoaderConfig, source: SourceSpec, exact: bool) -> IntakeSpec:
@@ -180,7 +182,8 @@ def _intake(config: LoaderConfig, source: SourceSpec, exact: bool) -> IntakeSpec
     else:
         capacity = max(2 * batch, DEFAULT_EXAMPLES)
     return IntakeSpec(
-        source=source, workers=_workers(config), capacity=capacity, bounded=config.map_style, batch_size=batch,
+        source=source, workers=_workers(config, capacity), capacity=capacity, bounded=config.map_style,
+        batch_size=batch,
         echo_factor=echo.factor if echo.per_example and not echo.auto else 1.0,
         auto_echo=echo.per_example and echo.auto, max_echo=echo.max_echo,
         # With augment, its output buffer decides what a short last batch means.
