@@ -17,7 +17,7 @@
    up to its output buffer and the rows being augmented, are augmented again);
    and the same for another rank of a job of 8 (rank 3 given rank 0's state, as
    Lightning, HF Trainer and Accelerate hand it over), which first works out its
-   own position (dataecho.pipeline.replay), and for a rank of a job of 16.
+   own position (dataecho.pipeline.progress.replay), and for a rank of a job of 16.
 
 Usage:
     python bench/bench_determinism.py [--quick] [--json PATH]
@@ -32,9 +32,8 @@ import statistics
 import time
 
 import common
-import numpy as np
-
 import dataecho
+import numpy as np
 
 
 def flip(example: dict, rng: np.random.Generator) -> dict:

@@ -1,6 +1,6 @@
 """One slow rank in a data-parallel job: what it costs with torch's DataLoader,
 with EchoLoader at fixed echo factors, and with ``echo_factor="auto"``, whose
-ranks echo in lockstep (dataecho.pipeline.lockstep).
+ranks echo in lockstep (dataecho.pipeline.stages.lockstep).
 
 Every configuration runs the same job in one run: ``--ranks`` processes on a
 gloo process group (on this machine), each reading its shard of a map-style

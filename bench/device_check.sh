@@ -86,7 +86,7 @@ build() {
 cuda_tests() {
   # The tests of the CUDA paths: on a GPU they run on it; on the CPU the ones that need it say so and skip.
   timeout "$TEST_LIMIT" "$PY" -m pytest -q -p no:cacheprovider -k "cuda or pinned or device or mover" \
-    --junitxml="$PARTS/cuda-tests.xml" tests/test_torch_support.py tests/test_loader.py tests/test_device_paths.py \
+    --junitxml="$PARTS/cuda-tests.xml" tests/test_torch_tensors.py tests/test_loader.py tests/test_device_paths.py \
     >> "$LOG" 2>&1
 }
 

@@ -61,11 +61,10 @@ def built_before_the_group(rank: int, world_size: int, arg: str) -> dict[str, An
 
 def auto_with_a_straggler(rank: int, world_size: int, arg: str) -> dict[str, Any]:
     """echo_factor="auto" on every rank, rank 0's reads ``arg`` times slower."""
+    import dataecho
     import torch
     import torch.distributed as dist
     from support import Records, checked_ids
-
-    import dataecho
 
     _join(rank, world_size)
     slow = float(arg or 4)
@@ -241,8 +240,7 @@ def lockstep_without_stages(rank: int, world_size: int, arg: str) -> dict[str, A
     part in the first agreement (``arg``: "empty", or "failed" before its
     stages existed), as the epoch does."""
     import torch.distributed as dist
-
-    from dataecho.pipeline.lockstep import agree_without_stages
+    from dataecho.pipeline.stages.lockstep import agree_without_stages
 
     _bounded_join(rank, world_size)
     if rank == 0:

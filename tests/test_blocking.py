@@ -9,11 +9,10 @@ import sys
 import threading
 import time
 
+import dataecho
 import numpy as np
 import pytest
 from support import child_script, examples, free_slots, id_buffer, one, run_python
-
-import dataecho
 
 
 def full_buffer(capacity=8, batch_size=4):
@@ -276,7 +275,7 @@ def test_a_put_that_the_stop_at_exit_releases_waits_for_the_exit(monkeypatch):
     # At interpreter exit the buffers are stopped before the interpreter finalizes:
     # a daemon producer blocked in put() then waits (bounded) for finalization,
     # which ends it quietly, instead of printing a BufferClosed traceback over the exit.
-    from dataecho.native import buffer as native
+    from dataecho.native import echo_buffer as native
 
     buf = id_buffer(capacity=2, batch_size=1, echo_factor=1)
     for i in range(100):  # full: slots and prefetched batches (nobody takes them)

@@ -3,7 +3,7 @@ only when their event completes, a device that fails under the loader, the
 loader closed with copies in flight or from another thread, page-locking
 that fails, and streams made on the loader's own device.
 
-Without a GPU they run against fakes of torch.cuda (tests/test_torch_support.py's
+Without a GPU they run against fakes of torch.cuda (tests/test_torch_tensors.py's
 FakeBackend, here made to copy as a DMA engine does); the tests named ``cuda``
 that need one run on a GPU and skip elsewhere.
 """
@@ -22,15 +22,14 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the torch integration needs torch: pip install 'dataecho[torch]'")
 
-from support import run_python  # noqa: E402
-from test_torch_support import FakeBackend, batch  # noqa: E402
-
 import dataecho  # noqa: E402
-from dataecho.pipeline import delivery  # noqa: E402
-from dataecho.pipeline.delivery import DeliverySpec, DeliveryStage  # noqa: E402
-from dataecho.pipeline.device_copy import CudaBackend, DeviceMover  # noqa: E402
-from dataecho.pipeline.stage import Batch  # noqa: E402
+from dataecho.pipeline.stages import delivery  # noqa: E402
+from dataecho.pipeline.stages.delivery import DeliverySpec, DeliveryStage  # noqa: E402
+from dataecho.pipeline.stages.device_copy import CudaBackend, DeviceMover  # noqa: E402
+from dataecho.pipeline.stages.stage import Batch  # noqa: E402
 from dataecho.tensors.pinned import allocate_pinned  # noqa: E402
+from support import run_python  # noqa: E402
+from test_torch_tensors import FakeBackend, batch  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 WIDTH = 8  # int64 values per row: row i holds i * WIDTH, ..., i * WIDTH + WIDTH - 1

@@ -13,10 +13,9 @@ import textwrap
 from collections import Counter
 from pathlib import Path
 
+import dataecho
 import numpy as np
 import pytest
-
-import dataecho
 
 TESTS = str(Path(__file__).parent)
 
@@ -76,7 +75,7 @@ def test_bad_rank_arguments():
     with pytest.raises(ValueError, match="echo_factor: 'auto'.*deterministic=True"):
         dataecho.EchoLoader(range(10), rank=0, world_size=2, echo_factor="auto", deterministic=True)
     # 'auto' on several ranks echoes in lockstep (see test_auto_echo_keeps_the_ranks_in_lockstep...).
-    assert dataecho.EchoLoader(range(10), rank=0, world_size=2, echo_factor="auto")._plan.lockstep is not None
+    assert dataecho.EchoLoader(range(10), rank=0, world_size=2, echo_factor="auto")._planner.plan.lockstep is not None
 
 
 RANK_SCRIPT = """
@@ -163,8 +162,8 @@ def test_dealing_out_an_epochs_rest_gives_every_new_rank_as_many_batches():
     # fresh one its echo count by its new position), and only a few deliveries
     # pad the ranks short of the most (fewer than a batch and an entry each). 64 ranks for a
     # few owed deliveries too: no rank is left without a batch.
-    from dataecho.pipeline import elastic
-    from dataecho.pipeline.replay import Ledger
+    from dataecho.pipeline.progress import elastic
+    from dataecho.pipeline.progress.replay import Ledger
 
     rng = np.random.default_rng(0)
     for trial in range(300):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 jax = pytest.importorskip("jax", reason="the JAX output needs jax: pip install 'dataecho[jax]'")
+import dataecho  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from support import (  # noqa: E402
     Records,
@@ -29,8 +30,6 @@ from support import (  # noqa: E402
     tokens_of,
     wait_for,
 )
-
-import dataecho  # noqa: E402
 
 N = 256
 CPU = jax.devices("cpu")[0]
@@ -49,7 +48,7 @@ def pointer(array) -> int:
 def test_import_dataecho_does_not_import_jax():
     result = run_python(
         """
-        import sys, dataecho, dataecho.examples.jax_trees, dataecho.config.output, dataecho.pipeline.output
+        import sys, dataecho, dataecho.examples.jax_trees, dataecho.config.devices, dataecho.pipeline.output
         print("jax" in sys.modules, "ml_dtypes" in sys.modules)
         """
     )

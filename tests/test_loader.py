@@ -8,14 +8,21 @@ import threading
 import time
 from collections import Counter, namedtuple
 
+import dataecho
 import numpy as np
 import pytest
 from processes import dataecho_threads
 from support import (
-    PAYLOAD, InjectedFault, Records, checked_ids, join_all, payload_of, spy_on_last_stage, start, take_refused,
+    PAYLOAD,
+    InjectedFault,
+    Records,
+    checked_ids,
+    join_all,
+    payload_of,
+    spy_on_last_stage,
+    start,
+    take_refused,
 )
-
-import dataecho
 
 
 def ids_of(batches):
@@ -440,8 +447,8 @@ def test_batch_echo_keeps_the_short_batch_last(echo, seed):
 def test_auto_batch_echo_repeats_nothing_after_the_short_batch():
     # The race the loader test above can only sometimes hit: the short batch has
     # been taken in and delivered, and the upstream is slow to say it is done.
-    from dataecho.pipeline.batch_echo import BatchEchoSpec, BatchEchoStage
-    from dataecho.pipeline.stage import Batch
+    from dataecho.pipeline.stages.batch_echo import BatchEchoSpec, BatchEchoStage
+    from dataecho.pipeline.stages.stage import Batch
 
     class Upstream:
         def __init__(self):

@@ -1,4 +1,4 @@
-"""echo_factor="auto" on several ranks (dataecho.pipeline.lockstep): the ranks'
+"""echo_factor="auto" on several ranks (dataecho.pipeline.stages.lockstep): the ranks'
 epochs end together, or every rank raises naming the cause, where a rank has
 no batch, its input fails, or its loop leaves early. Real processes on gloo
 (tests/ranks.py), each rank bounded (ranks.BOUND_S) far below the process

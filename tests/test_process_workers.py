@@ -11,18 +11,30 @@ import sys
 import time
 from collections import Counter
 
+import dataecho
 import numpy as np
 import pytest
+from dataecho.examples.fields import parse_fields
+from dataecho.native.echo_buffer import NativeBuffer
+from dataecho.native.sizing import buffer_config
 from processes import descendants, shm_segments, worker_processes
 from support import (
-    Captions, ExitAt, InjectedFault, MarkedRecords, Records, Stream, checked_ids, child_script, kill_owner, mark_worker,
-    suicide_at_500, wait_for, with_pid, with_pid_and_tensor, worker_pids,
+    Captions,
+    ExitAt,
+    InjectedFault,
+    MarkedRecords,
+    Records,
+    Stream,
+    checked_ids,
+    child_script,
+    kill_owner,
+    mark_worker,
+    suicide_at_500,
+    wait_for,
+    with_pid,
+    with_pid_and_tensor,
+    worker_pids,
 )
-
-import dataecho
-from dataecho.examples.fields import parse_fields
-from dataecho.native.buffer import NativeBuffer
-from dataecho.native.sizing import buffer_config
 
 
 def dataecho_workers():

@@ -54,7 +54,7 @@ def ids_of(x: torch.Tensor) -> list[int]:
     return (first * (8 ** torch.arange(DIGITS))).sum(dim=1).tolist()
 
 
-class Records:
+class DtypeRecords:
     """The map-style source: record i is {"id", "x": value_of(i), "pair": (a
     0-d bfloat16 tensor, a NumPy int32 array)}; module level, so that worker
     processes can unpickle it."""
@@ -98,7 +98,7 @@ def drain(loader, dtype: torch.dtype = torch.bfloat16) -> Counter:
 def make(source=None, **kwargs) -> dataecho.EchoLoader:
     args = {"batch_size": 16, "echo_factor": 2, "shuffle_buffer": 64, "num_workers": 2}
     args.update(kwargs)
-    return dataecho.EchoLoader(source if source is not None else Records(), **args)
+    return dataecho.EchoLoader(source if source is not None else DtypeRecords(), **args)
 
 
 # ---- the loader, every placement ----
@@ -174,7 +174,7 @@ def test_device_copy_keeps_the_dtype(seed):
 @pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2", "complex32"])
 def test_other_dtypes_numpy_lacks(name, output, seed):
     dtype = getattr(torch, name)
-    epoch = iter(make(Records(dtype=name), output=output, seed=seed))
+    epoch = iter(make(DtypeRecords(dtype=name), output=output, seed=seed))
     epoch.start()  # the first examples tell the structure
     assert epoch.structure.specs[1][1] == np.dtype(f"u{dtype.itemsize}"), "stored as its bytes"
     assert epoch.structure.torch_dtypes[1] == str(dtype)
@@ -218,7 +218,7 @@ def to_bfloat16(example, rng):
 
 
 def test_augment_may_produce_bfloat16_from_numpy(seed):
-    loader = make(Records(numpy_only=True), augment=to_bfloat16, output="numpy", seed=seed)
+    loader = make(DtypeRecords(numpy_only=True), augment=to_bfloat16, output="numpy", seed=seed)
     delivered: Counter = Counter()
     for batch in loader:
         ids = np.asarray(batch["id"]).tolist()

@@ -1,6 +1,6 @@
 """``ShuffleBuffer``: the native echo-aware shuffle buffer's public face. It
 validates every argument and example, naming what is wrong, and keeps to one
-consumer thread; dataecho's own stages use :class:`dataecho.native.buffer.NativeBuffer`.
+consumer thread; dataecho's own stages use :class:`dataecho.native.echo_buffer.NativeBuffer`.
 
 Holding: a put may hand over a large value (a field of
 ``dataecho.native.hold.HOLD_MIN_BYTES`` or more per example) by reference
@@ -27,11 +27,11 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from . import _checks, _core
+from .errors import BufferClosed
 from .examples.fields import Field, field_value, parse_fields, to_field_array
 from .examples.ragged import Ragged
 from .examples.tree import key_mismatch
-from .errors import BufferClosed
-from .native.buffer import NativeBuffer, park_if_exiting, put_many_error
+from .native.echo_buffer import NativeBuffer, park_if_exiting, put_many_error
 from .native.sizing import buffer_config, page_heap
 
 __all__ = ["ShuffleBuffer"]

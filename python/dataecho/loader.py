@@ -4,13 +4,12 @@ Choi et al. (2019), with fractional and adaptive echo factors, and torch
 
 The arguments are validated once into a
 :class:`dataecho.config.loader_config.LoaderConfig`, which the planner turns
-into per-stage specs (:mod:`dataecho.pipeline.plan`); each ``iter(loader)``
-starts a :class:`dataecho.pipeline.epoch.Epoch`, whose chain of stages is::
-
-    source -> [producers: read, transform] -> echo buffer (native)   intake
-           -> [batch echoing]                   (echo_at="batch")     batch_echo
-           -> [augment threads] -> output buffer (augment given)      augment
-           -> batches as NumPy, torch or JAX arrays, on a device    delivery
+into per-stage specs (:mod:`dataecho.pipeline.plan`, where the chain of
+stages is drawn); each ``iter(loader)`` starts a
+:class:`dataecho.pipeline.epoch.Epoch`, which runs that chain: readers fill the
+echo buffer (the intake), batch echo, augment, the ranks' lockstep, and the
+delivery to a device; the loop gets NumPy, torch or JAX arrays
+(dataecho.examples.outputs).
 
 With a ``batch_sampler`` the intake reads its batches whole, in its order
 (no echo buffer), and echo repeats them whole (batch echoing).
@@ -30,16 +29,15 @@ from .config.loader_config import LoaderConfig, loader_config
 from .examples.described import describe, described
 from .examples.structure import Structure
 from .pipeline.epoch import Epoch
-from .pipeline.job import Job
-from .pipeline.numbering import EpochNumbers
-from .pipeline.plan import plan
-from .pipeline.position import Envelope, LoaderPosition, envelope_of
-from .pipeline.replay import replayed_stages
-from .pipeline.resume import resumed
-from .pipeline.stats import Totals
+from .pipeline.plan import Planner
+from .pipeline.progress.job import Job
+from .pipeline.progress.numbering import EpochNumbers
+from .pipeline.progress.position import Envelope, LoaderPosition, envelope_of
+from .pipeline.progress.replay import replayed_stages
+from .pipeline.progress.resume import resumed
+from .pipeline.progress.stats import Totals
 from .reading.order import LoaderSampler
-from .workers.pool import WorkerPool
-from .workers.processes import PROCESS_GRACE_S
+from .workers.pool import PROCESS_GRACE_S, WorkerPool
 
 __all__ = ["EchoLoader"]
 
@@ -173,7 +171,7 @@ class EchoLoader:
             seed=seed, deterministic=deterministic, worker_type=worker_type, output=output, device=device, rank=rank,
             world_size=world_size, ragged=ragged, ragged_bytes=ragged_bytes, padding=padding, jax_device=jax_device,
         )
-        self._plan = plan(self.config)
+        self._planner = Planner(self.config)  # the plan of its epochs, on its part of the job
         self._structure: Structure | None = None
         self._numbers = EpochNumbers()
         self._position = LoaderPosition()  # for checkpoints: a loaded state, where an epoch left
@@ -198,7 +196,7 @@ class EchoLoader:
     def __getattr__(self, name: str) -> Any:
         config = self.__dict__.get("config")
         if config is not None and name == "sampler":
-            order = self._plan.source.order
+            order = self._planner.plan.source.order
             return config.sampler or LoaderSampler(order, lambda: self.next_epoch, self.set_epoch)
         if config is not None and name in _ATTRIBUTES:
             return _ATTRIBUTES[name](config)
@@ -215,21 +213,22 @@ class EchoLoader:
                 current.supersede()  # if it yielded nothing, it gives back its number and resume state
             _follow_job(self)
             resume = self._position.begin()  # where an epoch left part-way is forgotten once another starts
-            epoch = Epoch(self._plan, self._numbers.next, self._structure, resume["stages"] if resume else None,
+            planned = self._planner.plan
+            epoch = Epoch(planned, self._numbers.next, self._structure, resume["stages"] if resume else None,
                           functools.partial(_ended, self), owner=self, pool=self._pool,
                           memory=self._memory, on_structure=functools.partial(_learned, weakref.ref(self)),
-                          group=self._job.group(self._plan))
+                          group=self._job.group(planned))
             self._current_ref = weakref.ref(epoch)
             self._numbers.started()
             return epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch the next ``iter(loader)`` runs, and every later one until
-        set again (see dataecho.pipeline.numbering.EpochNumbers); a ``sampler`` with
+        set again (see dataecho.pipeline.progress.numbering.EpochNumbers); a ``sampler`` with
         ``set_epoch`` is given the number too, and so is a ``batch_sampler`` with one.
         Called after ``iter(loader)`` but before its first batch (as Lightning
         does), it applies to that epoch; after ``load_state_dict``, see
-        dataecho.pipeline.position."""
+        dataecho.pipeline.progress.position."""
         number = self._numbers.set(epoch)
         for sampler in (self.config.sampler, self.config.batch_sampler):
             set_sampler_epoch = getattr(sampler, "set_epoch", None)
@@ -267,16 +266,15 @@ class EchoLoader:
         """Resumes from ``state_dict()``'s result at the next ``iter(loader)``;
         the current epoch, if any, is stopped. Any rank's state, of a job of
         this or another world size, or the list of every rank's (where a
-        rank's own is needed: dataecho.pipeline.resume).
+        rank's own is needed: dataecho.pipeline.progress.resume).
 
         Raises:
             TypeError, ValueError: a state that is not one, or was saved by a
                 loader with other arguments that decide the batches (named).
         """
-        config = self._job.follow(self.config, starting=False)
-        config, planned, checked = resumed(config, self._plan if config is self.config else plan(config), state)
+        planner, checked = resumed(self._job.follow(self._planner, starting=False), state)
         self.close()
-        self.config, self._plan = config, planned
+        _use(self, planner)
         if checked["structure"] is not None:
             self._structure = described(checked["structure"], "state['structure']")
         self._numbers.next = checked["epoch"]
@@ -285,9 +283,8 @@ class EchoLoader:
     def __len__(self) -> int:
         """Batches per epoch on this rank (see dataecho.pipeline.plan), on the
         part of the job ``torch.distributed`` says now where none was given."""
-        config = self._job.follow(self.config, starting=False)
-        planned = self._plan if config is self.config else plan(config)
-        return self._position.epoch_length(config, planned, self._current is not None)
+        planner = self._job.follow(self._planner, starting=False)
+        return self._position.epoch_length(planner, self._current is not None)
 
     def close(self) -> None:
         """Stops the current epoch and every worker; iterating again starts a new epoch."""
@@ -297,7 +294,8 @@ class EchoLoader:
         _release(self.__dict__)
 
     def stats(self, flat: bool = False, prefix: str = "dataecho/") -> dict[str, Any]:
-        """Counters over every epoch and the current one; ``flat=True`` for a metrics logger (dataecho.pipeline.stats)."""
+        """Counters over every epoch and the current one; ``flat=True`` for a
+        metrics logger (dataecho.pipeline.progress.stats)."""
         return self._totals.stats(self._current, self._numbers.last, flat, prefix)
 
     def __enter__(self) -> EchoLoader:
@@ -330,33 +328,40 @@ def _envelope(loader: EchoLoader) -> Envelope:
 def _length(loader: EchoLoader, epoch: int, history: list) -> int | None:
     """Batches of ``epoch`` on this rank in all, or None where not known."""
     try:
-        return loader._position.length(loader.config, loader._plan, epoch, history)
+        return loader._position.length(loader._planner, epoch, history)
     except TypeError:
         return None
 
 
 def _renumber(loader: EchoLoader, number: int) -> None:
     """``set_epoch(number)``: the epoch started, if it took no batch yet, runs
-    epoch ``number`` instead; else a loaded state moves to it (dataecho.pipeline.position)."""
+    epoch ``number`` instead; else a loaded state moves to it (dataecho.pipeline.progress.position)."""
     current, position = loader._current, loader._position
     if current is not None and current.taken == 0 and current.epoch != number:
-        resume = position.rebegin(number, loader.config, loader._plan)
+        resume = position.rebegin(number, loader._planner)
         if current.renumber(number, resume["stages"] if resume else None):
             loader._numbers.started()
     else:
-        position.set_epoch(number, loader.config, loader._plan)
+        position.set_epoch(number, loader._planner)
 
 
 def _follow_job(loader: EchoLoader) -> None:
     """As an epoch starts: the loader on the part of the job ``torch.distributed``
     says now (its epochs planned again where that changed, and a state loaded
     for another part loaded again for this one)."""
-    config = loader._job.follow(loader.config)
-    if config is not loader.config:
-        loader.config, loader._plan = config, plan(config)
+    planner = loader._job.follow(loader._planner)
+    if planner is not loader._planner:
+        _use(loader, planner)
         if loader._position.pending is not None:
-            loader.config, loader._plan, checked = resumed(config, loader._plan, loader._position.raw)
+            planner, checked = resumed(planner, loader._position.raw)
+            _use(loader, planner)
             loader._position.load(checked, loader._position.raw)
+
+
+def _use(loader: EchoLoader, planner: Planner) -> None:
+    """``loader`` runs as ``planner`` plans it from now on (another part of the job, or a state's seed)."""
+    loader._planner = planner
+    loader.config = planner.configuration
 
 
 def _learned(loader_ref: Callable[[], EchoLoader | None], structure: Structure) -> None:
@@ -369,24 +374,24 @@ def _learned(loader_ref: Callable[[], EchoLoader | None], structure: Structure) 
 def _ended(loader: EchoLoader, counters: dict[str, Any], workers: list, left: dict[str, Any] | None) -> None:
     """An epoch of ``loader`` ended; ``left``: where it stood if its consumer left it part-way."""
     loader._totals.add(counters, workers)
-    config = loader.config
-    loader._position.ended(_envelope(loader), counters["epoch"], config.shard.world_size, counters["batches"],
-                           counters["state"], left, functools.partial(_replayed, config, counters["epoch"]),
-                           config.replayable)
+    planner = loader._planner
+    loader._position.ended(_envelope(loader), counters["epoch"], planner.shard.world_size, counters["batches"],
+                           counters["state"], left, functools.partial(_replayed, planner, counters["epoch"]),
+                           planner.replayable)
     if counters["batches"] == 0 and counters["state"] == "stopped":  # as if never started
         loader._numbers.give_back(counters["epoch"])
         loader._position.give_back()
 
 
-def _replayed(config: LoaderConfig, epoch: int, history: list) -> dict[str, Any] | None:
-    """Where an epoch that failed stood after its last batch (dataecho.pipeline.replay).
+def _replayed(planner: Planner, epoch: int, history: list) -> dict[str, Any] | None:
+    """Where an epoch that failed stood after its last batch (dataecho.pipeline.progress.replay).
 
     Raises:
         ValueError: where that cannot be worked out.
     """
-    if not config.replayable:
+    if not planner.replayable:
         raise ValueError(
             "state_dict: the epoch ended on an error after some batches, and where it stood then can be worked "
             "out only for a map-style dataset read in dataecho's own order (no sampler) with deterministic "
             "reading; resume from a state saved before the error")
-    return replayed_stages(config, epoch, history)[0]
+    return replayed_stages(planner, epoch, history)[0]

@@ -20,7 +20,7 @@ Where the state goes: one file per process, ``dataecho_loader_<rank>.json``,
 in the checkpoint folder beside the ``Trainer``'s own per-process
 ``rng_state_<rank>.pth``. Each rank resumes from its own where the job has
 the world size that saved it (exact for every kind of source), else from rank
-0's (dataecho.pipeline.replay works out each rank's position). Not in
+0's (dataecho.pipeline.progress.replay works out each rank's position). Not in
 ``trainer_state.json``: only the main process writes that, indented.
 """
 

@@ -19,12 +19,12 @@ from .. import _checks, _core
 from ..reading.ray import RayRows, is_ray_data
 from ..reading.sharding import Shard, resolve_shard
 from ..reading.source import is_map_style
-from ..workers.processes import default_start_method
+from ..workers.spec import default_start_method
 from . import dataloader
 from .batch_sampler import check_batch_sampler, check_with_batch_sampler, default_echo_at
-from .output import check_output
-from .processes import check_processes
+from .devices import check_output
 from .echo import Echo
+from .process_checks import check_processes
 
 __all__ = ["DEFAULT_BATCHES", "DEFAULT_EXAMPLES", "LoaderConfig", "accepts_keyword", "loader_config"]
 
@@ -40,7 +40,7 @@ class LoaderConfig:
     Attributes beyond the arguments:
         workers: producer threads or processes (``num_workers``, resolved).
         auto_workers: ``num_workers`` was not given and threads read: one
-            reading thread, more while reads wait (dataecho.workers.threads).
+            reading thread, more while reads wait (dataecho.workers.thread_readers).
         prefetch: batches assembled ahead (from ``prefetch_factor``).
         start_method: for worker processes.
         shard: this process's part of a data-parallel job.
@@ -74,7 +74,7 @@ class LoaderConfig:
     prefetch_factor: int | None
     start_method: str | None
     output: str
-    device: Any  # torch's (dataecho.config.output)
+    device: Any  # torch's (dataecho.config.devices)
     shard: Shard
     shard_given: bool  # rank and world_size were given; else torch.distributed decides as each epoch starts
     ragged: frozenset[str] | None = None  # leaf paths declared ragged
@@ -138,7 +138,7 @@ class LoaderConfig:
         seed, the epoch, the rank and the world size alone, without its
         examples: a map-style source in dataecho's own order (no sampler),
         read deterministically, with an ``augment`` keyed by delivery if any
-        (dataecho.pipeline.replay)."""
+        (dataecho.pipeline.progress.replay)."""
         return (self.exact_checkpoint and self.map_style and self.sampler is None and self.batch_sampler is None
                 and (self.augment is None or self.augment_takes_rng))
 
@@ -196,7 +196,7 @@ def loader_config(*, dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, 
     augment = dataloader.check_callable("augment", augment)
     new_buffer = _check_shuffle_buffer(shuffle_buffer, batch_size, echo, augment is not None, deterministic, in_order)
     persistent_workers = _check_persistent(persistent_workers, workers)
-    # num_workers not given: threads start with one reader (see dataecho.workers.threads); processes, 2.
+    # num_workers not given: threads start with one reader (see dataecho.workers.thread_readers); processes, 2.
     auto_workers = workers is None and worker_type == "thread"
     output, device, jax_device = check_output(output, device, jax_device, pin_memory, collate_fn)
     config = LoaderConfig(

@@ -1,4 +1,4 @@
-"""The configuration of a stand-in for a loader (dataecho.pipeline.replay):
+"""The configuration of a stand-in for a loader (dataecho.pipeline.progress.replay):
 the same epochs of positions, over a source whose examples are their own
 dataset indices, read natively in the caller's thread."""
 

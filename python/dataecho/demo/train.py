@@ -14,7 +14,6 @@ import dataecho
 
 from .digits import Augment, PngDigits
 
-
 SMOOTHING = 3  # evaluations averaged for the target test
 
 

@@ -156,7 +156,9 @@ class LeafMap:
     def copied(self, leaves: Sequence[Any], native: Sequence[Any]) -> tuple[Any, ...]:
         """The copy of ``leaves`` from its native copy."""
         items = iter(native)
-        return tuple(list(leaf) if kind == "object" else Ragged.of_batch(*next(items)) if kind == "ragged" else next(items)
+        return tuple(list(leaf) if kind == "object"
+                     else Ragged.of_batch(*next(items)) if kind == "ragged"
+                     else next(items)
                      for leaf, kind in zip(leaves, self.kinds))
 
 

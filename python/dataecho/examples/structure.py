@@ -205,7 +205,8 @@ class _Inference:
     def __init__(self, ragged: Collection[str] | None, strict: bool = True) -> None:
         self.strict = strict
         if isinstance(ragged, str) or (ragged is not None and not isinstance(ragged, Collection)):
-            raise TypeError(f"ragged: expected a collection of leaf paths (['input_ids', 'meta/boxes']), got {ragged!r}")
+            raise TypeError(f"ragged: expected a collection of leaf paths (['input_ids', 'meta/boxes']), "
+                            f"got {ragged!r}")
         self.declared = set(ragged or ())
         for path in self.declared:
             if not isinstance(path, str):

@@ -14,7 +14,8 @@ import numpy as np
 
 from ..tensors.raw import raw_bytes
 
-__all__ = ['LEAVES', 'Mismatch', 'Node', 'as_leaf_array', 'build', 'columns_into', 'flatten_into', 'is_torch_tensor', 'join', 'key_mismatch']
+__all__ = ["LEAVES", "Mismatch", "Node", "as_leaf_array", "build", "columns_into", "flatten_into", "is_torch_tensor",
+           "join", "key_mismatch"]
 
 _SCALARS = (bool, int, float, np.generic)
 

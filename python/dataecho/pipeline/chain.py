@@ -1,10 +1,7 @@
-"""Builds an epoch's chain of stages from the plan (dataecho.pipeline.plan),
-first to last, each from its own spec and its own part of a checkpoint:
-
-    intake -> [batch_echo] -> [augment] -> [delivery]
-
-The intake is the echo buffer's (dataecho.pipeline.intake) or, with a
-``batch_sampler``, the sampler's batches (dataecho.pipeline.batches).
+"""Builds an epoch's chain of stages from the plan, first to last, in the
+order of ``dataecho.pipeline.plan.CHAIN`` (drawn there), each from its own spec
+and its own part of a checkpoint. The intake is the echo buffer's (dataecho.pipeline.stages.intake) or, with a
+``batch_sampler``, the sampler's batches (dataecho.pipeline.stages.batches).
 """
 
 from __future__ import annotations
@@ -17,15 +14,20 @@ from typing import Any, Callable
 from ..examples.structure import Structure
 from ..reading.source import EpochSource
 from ..workers.failure import Failure
-from . import augment, batch_echo, batches, checkpoint, delivery, intake, lockstep
-from .augment_processes import STAGED_BATCHES, AugmentProcessStage
+from ..workers.readers import Probing, Reading
+from ..workers.resources import EpochResources
+from . import checkpoint
 from .checkpoint import StateCheck
-from .plan import Plan
-from .stage import Stage
+from .plan import CHAIN, Plan
+from .stages import augment, batch_echo, batches, delivery, intake, lockstep
+from .stages.augment_kinds import augment_stage
+from .stages.stage import COUNTERS, Stage
 
 __all__ = ["JOIN_TIMEOUT_S", "Chain", "build_chain", "state_checks"]
 
 JOIN_TIMEOUT_S = 5.0  # how long a stopped epoch waits for each stage's threads
+
+_ORDER = {name: index for index, (name, _) in enumerate(CHAIN)}
 
 # Each stage's check, by its spec's type (two intakes share the name "intake").
 _CHECKS: dict[type, Callable[..., dict]] = {
@@ -60,7 +62,7 @@ class Chain:
     failure: Failure = field(default_factory=Failure)
     pull_lock: threading.Lock = field(default_factory=threading.Lock)
     mode: str | None = None
-    group: Any = None  # the process group the ranks keep in lockstep on (dataecho.pipeline.lockstep)
+    group: Any = None  # the process group the ranks keep in lockstep on (dataecho.pipeline.stages.lockstep)
 
     @property
     def resumable(self) -> bool:
@@ -94,15 +96,21 @@ class Chain:
             self.pull_lock.release()
 
     def counters(self) -> dict[str, Any]:
-        """Every stage's counters, in one dict (see dataecho.pipeline.stats)."""
+        """Every stage's counters, in one dict (see dataecho.pipeline.progress.stats)."""
         found: dict[str, Any] = {}
         for stage in self.stages:
-            found.update(stage.counters())
+            counters = stage.counters()
+            unnamed = set(counters) - set(COUNTERS)
+            if unnamed:
+                raise RuntimeError(f"dataecho: stage {stage.name!r} reports counters not named in COUNTERS: "
+                                   f"{sorted(unnamed)}")
+            found.update(counters)
         return found
 
 
-def build_chain(chain: Chain, plan: Plan, structure: Structure | None, source: EpochSource, first: Any,
-                resume: dict[str, Any] | None, on_failure: Callable[[], None], probing: Any = None,
+def build_chain(chain: Chain, plan: Plan, structure: Structure | None, source: EpochSource,
+                resources: EpochResources, first: Any, resume: dict[str, Any] | None,
+                on_failure: Callable[[], None], probing: Probing | None = None,
                 on_structure: Callable[[Structure], None] = lambda structure: None) -> None:
     """Builds and starts the stages of one epoch into ``chain``, first to last.
 
@@ -115,15 +123,17 @@ def build_chain(chain: Chain, plan: Plan, structure: Structure | None, source: E
         plan: the loader's plan.
         structure: the examples' structure (None: a batch sampler's intake learns it).
         source: this epoch's view of the source.
+        resources: the epoch's seeds and the loader's resources (dataecho.workers.resources).
         first: the examples read to learn the structure (put first), or none.
         resume: the epoch's state from a checkpoint ({stage name: state}), or None.
         on_failure: stops the epoch; stage threads call it after recording an error.
         probing: workers that read the first examples and wait for the echo
-            buffer (dataecho.pipeline.intake.start_probe), or None.
+            buffer (a reader kind's ``probe``: dataecho.workers.readers), or None.
         on_structure: called with the structure a batch sampler's intake learned.
     """
     try:
-        _build(chain, plan, structure, source, first, resume or {}, on_failure, probing, on_structure)
+        _build(chain, plan, structure, Reading(source, plan.intake.workers, chain.failure, on_failure, resources),
+               first, resume or {}, probing, on_structure)
     except BaseException:
         # Ctrl-C or an error part-way: the stages started so far stop too.
         for stage in reversed(chain.stages):
@@ -133,9 +143,9 @@ def build_chain(chain: Chain, plan: Plan, structure: Structure | None, source: E
         raise
 
 
-def _build(chain: Chain, plan: Plan, structure: Structure | None, source: EpochSource, first: Any,
-           states: dict[str, Any], on_failure: Callable[[], None], probing: Any,
-           on_structure: Callable[[Structure], None]) -> None:
+def _build(chain: Chain, plan: Plan, structure: Structure | None, reading: Reading, first: Any,
+           states: dict[str, Any], probing: Probing | None, on_structure: Callable[[Structure], None]) -> None:
+    source, resources, on_failure = reading.source, reading.resources, reading.on_failure
     if states and plan.checkpoint == "exact" and source.order is None:
         # An iterable resumes by reading itself again up to where its intake
         # stood, keeping the examples the state names on the way.
@@ -144,24 +154,18 @@ def _build(chain: Chain, plan: Plan, structure: Structure | None, source: EpochS
         stage = batches.BatchesIntake(plan.intake, source, structure, chain.failure, on_failure,
                                       states.get("intake"), on_structure)
     else:
-        stage = intake.IntakeStage(plan.intake, source, structure, first, chain.failure, on_failure,
-                                   states.get("intake"), probing)
+        stage = intake.IntakeStage(plan.intake, reading, structure, first, states.get("intake"), probing)
     last: Stage = _add(chain, stage)
     read_batch = stage.read_batch
     if plan.batch_echo is not None:
         spec = plan.batch_echo
         copy = stage.copy_arrays if spec.views_batch_memory else None  # used where the leaves are tensors
-        last = _add(chain, batch_echo.BatchEchoStage(spec, last, source.seeds[1], copy, states.get("batch_echo"),
-                                                     read_batch))
-    if plan.augment is not None and plan.augment.processes:
-        # The echo buffer assembles its batches in shared memory, where the augment workers read them.
-        staged = STAGED_BATCHES + 2 * plan.augment.processes + (plan.batch_echo.resident if plan.batch_echo else 0)
-        augmenting = AugmentProcessStage(plan.augment, last, structure, source, chain.failure, on_failure,
-                                         chain.pull_lock, states.get("augment"), stage.share_batch_memory(staged))
-        last, read_batch = _add(chain, augmenting), augmenting.read_batch
-    elif plan.augment is not None:
-        augmenting = augment.AugmentStage(plan.augment, last, structure, source, chain.failure, on_failure,
-                                          chain.pull_lock, states.get("augment"))
+        last = _add(chain, batch_echo.BatchEchoStage(spec, last, resources.seeds.batch_echo, copy,
+                                                     states.get("batch_echo"), read_batch))
+    if plan.augment is not None:
+        augmenting = augment_stage(plan.augment)(plan.augment, last, structure, source, resources, chain.failure,
+                                                 on_failure, chain.pull_lock, states.get("augment"),
+                                                 stage.share_batch_memory)
         last, read_batch = _add(chain, augmenting), augmenting.read_batch
     if plan.lockstep is not None:
         last = _add(chain, lockstep.LockstepStage(plan.lockstep, last, chain.group, chain.failure))
@@ -170,6 +174,10 @@ def _build(chain: Chain, plan: Plan, structure: Structure | None, source: EpochS
 
 
 def _add(chain: Chain, stage: Stage) -> Stage:
+    if chain.stages and _ORDER[stage.name] <= _ORDER[chain.stages[-1].name]:
+        stage.stop()  # not in the chain: its cleanup would not reach it
+        stage.join(JOIN_TIMEOUT_S)
+        raise RuntimeError(f"dataecho: stage {stage.name!r} built after {chain.stages[-1].name!r}, against CHAIN")
     chain.stages.append(stage)
     if chain.failure.error is not None:  # failed while it was being built: nothing else stops it
         stage.stop()

@@ -8,7 +8,7 @@ named by position, never stored:
 
     format   "dataecho.EchoLoader/5"; a state of another format is refused
     epoch    the epoch to resume (or to start, when ``stages`` is None)
-    history  how the epoch was delivered so far (dataecho.pipeline.replay):
+    history  how the epoch was delivered so far (dataecho.pipeline.progress.replay):
              ``[[world_size, batches], ...]``, one pair per job that delivered
              a part of it, the last this one; [] at the epoch's start
     config   the arguments that decide the sequence of batches (seed, rank,
@@ -24,8 +24,8 @@ named by position, never stored:
              where the epoch stood between two batches (see
              dataecho.pipeline.plan). Each stage's module says what its state
              holds, restores it, and checks it (``check_state``): intake
-             (dataecho.pipeline.intake, or with a batch sampler
-             dataecho.pipeline.batches), batch_echo, augment, delivery. An
+             (dataecho.pipeline.stages.intake, or with a batch sampler
+             dataecho.pipeline.stages.batches), batch_echo, augment, delivery. An
              iterable source read by threads saves ``{"intake": {"skip": n}}`` alone.
 
 An iterable that can restart part-way (dataecho.reading.restart) also saves,
@@ -57,8 +57,8 @@ import numpy as np
 from ..examples.described import described
 
 __all__ = ["FORMAT", "Iterated", "StateCheck", "array_at", "at", "batches_at", "bool_at", "check_state", "compact",
-           "dict_at", "earliest", "history_of", "ids_of", "int_at", "mapping", "named_rows", "plain", "prune", "read_to_named",
-           "with_restart"]
+           "dict_at", "earliest", "history_of", "ids_of", "int_at", "mapping", "named_rows", "plain", "prune",
+           "read_to_named", "with_restart"]
 
 FORMAT = "dataecho.EchoLoader/5"
 

@@ -26,7 +26,7 @@ from ..examples.structure import Structure
 from .epoch_stages import EpochStages
 from .output import output_of
 from .plan import Plan
-from .stage import Batch, weakly
+from .stages.stage import Batch, weakly
 
 __all__ = ["Epoch"]
 
@@ -69,7 +69,7 @@ class Epoch:
         self._spec, self._on_finish = plan.output, on_finish
         self._left: dict[str, Any] | None = None
         self._closed = False
-        self._state = "running"  # then "complete", "stopped" or "failed" (see dataecho.pipeline.stats)
+        self._state = "running"  # then "complete", "stopped" or "failed" (see dataecho.pipeline.progress.stats)
         self._superseded = False  # ended by a later iter(loader): its next() says so
         self._consumer = threading.Lock()
         self._started = time.perf_counter()
@@ -194,7 +194,7 @@ class Epoch:
         return self._stages.state(lock_timeout_s)
 
     def counters(self) -> dict[str, Any]:
-        """This epoch's counters (see dataecho.pipeline.stats), from every stage."""
+        """This epoch's counters (see dataecho.pipeline.progress.stats), from every stage."""
         stages = self._stages.counters() if self._stages is not None else {}
         return {
             "epoch": self.epoch,

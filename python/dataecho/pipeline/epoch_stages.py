@@ -17,21 +17,24 @@ from typing import Any, Callable
 from ..examples.structure import Structure
 from ..reading.restart import Mark
 from ..reading.source import SAMPLE, EpochSource
-from . import checkpoint, lockstep
+from ..workers.reader_kinds import kind_of
+from ..workers.readers import Probing, Reading
+from ..workers.resources import EpochResources, Seeds
+from . import checkpoint
 from .chain import JOIN_TIMEOUT_S, Chain, build_chain
-from .intake import start_probe
 from .plan import Plan
-from .stage import Batch, weakly
+from .stages import lockstep
+from .stages.stage import Batch, weakly
 
 __all__ = ["EpochStages"]
 
 
-def _source_of(plan: Plan, epoch: int, resume: dict[str, Any] | None, pool: Any, memory: Any) -> EpochSource:
+def _source_of(plan: Plan, epoch: int, resume: dict[str, Any] | None) -> EpochSource:
     """The epoch's view of the source, from where a resumed state's intake says it stood."""
     saved = (resume or {}).get("intake", {})
     skip = saved.get("skip", 0) if plan.source.order is None else 0
     restart = Mark(**saved["restart"]) if "restart" in saved else None
-    return EpochSource(plan.source, epoch, skip, pool, memory, saved.get("order"), saved.get("bounds"), restart)
+    return EpochSource(plan.source, epoch, skip, saved.get("order"), saved.get("bounds"), restart)
 
 
 def _probe_size(plan: Plan) -> int:
@@ -51,11 +54,13 @@ class EpochStages:
         resume: {stage name: state} from a checkpoint, or None.
         on_failure: stops the epoch (a stage thread's error).
         pool, memory, group: the loader's persistent workers, echo-buffer
-            memory and lockstep process group, or None.
+            memory and lockstep process group, or None: with the epoch's
+            seeds, its resources (dataecho.workers.resources).
         on_structure: called with the structure the first examples told.
 
     Attributes:
         epoch, resume, structure: as given (the structure once learned).
+        source, resources: the epoch's view of the source, and what its stages use beside it.
         built: the chain exists (built at once, or by the first batch asked
             for once the structure is known).
     """
@@ -66,18 +71,21 @@ class EpochStages:
         self.epoch, self.resume, self.structure = epoch, resume, structure
         self._plan, self._on_failure, self._on_structure = plan, on_failure, on_structure
         self.chain = Chain(mode=plan.checkpoint, group=group)
-        self._probing: Any = None  # workers reading the first examples before the chain exists
+        self._probing: Probing | None = None  # readers of the first examples, before the chain exists
         self.built = False
-        self.source = _source_of(plan, epoch, resume, pool, memory)
+        self.source = _source_of(plan, epoch, resume)
+        self.resources = EpochResources(Seeds.of(plan.source.seed, epoch, plan.source.rank), pool, memory, group)
+        probe = kind_of(plan.intake.workers).probe
         if (structure is not None or plan.reads_batches) and resume is None:
             self._build(structure, [])  # a resumed chain reads examples again: when asked, as errors come
-        elif structure is None and plan.intake.workers.kind != "inline" and resume is None:
-            # The workers read the first examples; the chain is built from them when a batch is asked for.
-            self._probing = start_probe(plan.intake, self.source, _probe_size(plan), self.chain.failure, on_failure)
+        elif structure is None and probe is not None and resume is None:
+            # The readers read the first examples; the chain is built from them when a batch is asked for.
+            reading = Reading(self.source, plan.intake.workers, self.chain.failure, on_failure, self.resources)
+            self._probing = probe(reading, _probe_size(plan))
 
     def _build(self, structure: Structure | None, first: list[Any], probing: Any = None) -> None:
-        build_chain(self.chain, self._plan, structure, self.source, first, self.resume, self._on_failure,
-                    probing, weakly(self._learned))
+        build_chain(self.chain, self._plan, structure, self.source, self.resources, first, self.resume,
+                    self._on_failure, probing, weakly(self._learned))
         self.built = True
 
     def _learned(self, structure: Structure) -> None:
@@ -118,7 +126,7 @@ class EpochStages:
 
     def _agree_without_stages(self, failed: bool) -> None:
         """Ranks kept in lockstep: this rank's part of the epoch's first
-        agreement, where it builds no stages (dataecho.pipeline.lockstep)."""
+        agreement, where it builds no stages (dataecho.pipeline.stages.lockstep)."""
         if self._plan.lockstep is not None:
             lockstep.agree_without_stages(self.chain.group, failed=failed)
 

@@ -5,15 +5,18 @@ combination of options is in use.
 :func:`plan` reads the validated :class:`~dataecho.config.loader_config.LoaderConfig`
 once and returns a :class:`Plan` of small frozen specs: the source's, the
 workers', one per stage, and the consumer's. A stage is built from its own spec
-and never sees the configuration. The chain an epoch runs is::
+and never sees the configuration. The chain an epoch runs is (:data:`CHAIN`,
+drawn by :func:`drawing`; a test keeps this drawing and docs/design.md's equal
+to it, and dataecho.pipeline.chain builds the stages in its order)::
 
     intake -> [batch_echo] -> [augment] -> [lockstep] -> [delivery]
 
 ``batch_echo`` with ``echo_at="batch"`` (not in order), ``augment`` where one
-is given, ``delivery`` with a device, and wherever a checkpoint is exact (it
-owns the batches on their way out, so that a state taken with a device resumes
-without one). With a ``batch_sampler`` the intake is the sampler's batches, read
-whole (dataecho.pipeline.batches), and echo repeats them whole (``batch_echo``).
+is given, ``lockstep`` with ``echo_factor="auto"`` on several ranks,
+``delivery`` with a device, and wherever a checkpoint is exact (it owns the
+batches on their way out, so that a state taken with a device resumes without
+one). With a ``batch_sampler`` the intake is the sampler's batches, read
+whole (dataecho.pipeline.stages.batches), and echo repeats them whole (``batch_echo``).
 """
 
 from __future__ import annotations
@@ -25,20 +28,36 @@ from typing import Any, Callable
 from ..config.dataloader import DEFAULT_WORKERS
 from ..config.echo import exact_deliveries
 from ..config.loader_config import DEFAULT_EXAMPLES, LoaderConfig
+from ..config.stand_in import stand_in
+from ..examples.outputs import Output, output_kind
 from ..native.sizing import reorder_window
 from ..reading.chunking import CHUNK
 from ..reading.order import OrderSpec
 from ..reading.restart import is_restartable
+from ..reading.sharding import Shard
 from ..reading.source import SourceSpec
+from ..workers.reader_kinds import kind_of
 from ..workers.spec import WorkersSpec
-from .augment import AugmentSpec
-from .batch_echo import BatchEchoSpec
-from .batches import BatchesSpec
-from .delivery import DeliverySpec
-from .lockstep import LockstepSpec
-from .intake import IntakeSpec
+from .stages.augment import AugmentSpec
+from .stages.augment_processes import STAGED_BATCHES
+from .stages.batch_echo import BatchEchoSpec
+from .stages.batches import BatchesSpec
+from .stages.delivery import DeliverySpec
+from .stages.intake import IntakeSpec
+from .stages.lockstep import LockstepSpec
 
-__all__ = ["OutputSpec", "Plan", "plan"]
+__all__ = ["CHAIN", "OutputSpec", "Plan", "Planner", "drawing", "plan"]
+
+# The chain an epoch runs, first to last: each stage's name, and whether every epoch has it.
+CHAIN: tuple[tuple[str, bool], ...] = (
+    ("intake", True), ("batch_echo", False), ("augment", False), ("lockstep", False), ("delivery", False),
+)
+_STATELESS = frozenset({"lockstep"})  # stages whose state a checkpoint does not hold
+
+
+def drawing() -> str:
+    """The chain as the docs draw it, optional stages in brackets."""
+    return " -> ".join(name if always else f"[{name}]" for name, always in CHAIN)
 
 
 @dataclass(frozen=True)
@@ -46,8 +65,9 @@ class OutputSpec:
     """What the epoch does with each batch the last stage yields, and how it waits.
 
     Attributes:
-        convert: what host batches become: ``"torch"`` (tensors, ``output="torch"``
-            without a device), ``"jax"`` (JAX arrays), or None (as the last stage gives them).
+        kind: what host batches become (dataecho.examples.outputs): ``output``'s
+            kind, or with a device the NumPy one (as the last stage gives them:
+            the delivery stage made them tensors on the device).
         batched: False for ``batch_size=None``: each batch of one is yielded as its example.
         collate_fn: called with the batch's examples (or, not batched, the
             example), each as the dataset returned it; its result is yielded.
@@ -57,10 +77,9 @@ class OutputSpec:
         strict: a declared path that is not a leaf of the examples raises
             (False where ``augment`` may make it one).
         warn_starved: say when the ragged budget made a deterministic order depend on timing.
-        jax_device: with ``convert="jax"``, the ``jax.Device`` (None: JAX's default).
     """
 
-    convert: str | None
+    kind: Output
     batched: bool
     collate_fn: Callable[[list], Any] | None
     padding: int | str | None
@@ -68,7 +87,6 @@ class OutputSpec:
     declared_ragged: frozenset[str]
     strict: bool
     warn_starved: bool
-    jax_device: Any = None
 
 
 @dataclass(frozen=True)
@@ -80,7 +98,7 @@ class Plan:
         intake, batch_echo, augment, delivery: the stages' specs (None: not in
             the chain); the intake's is a BatchesSpec with a batch sampler.
         lockstep: ``echo_factor="auto"`` on several ranks: the stage that keeps
-            their epochs the same length (dataecho.pipeline.lockstep), before
+            their epochs the same length (dataecho.pipeline.stages.lockstep), before
             the delivery; else None.
         output: the consumer's side.
         batches_per_epoch: ``len(loader)`` (TypeError where it is not known).
@@ -101,15 +119,97 @@ class Plan:
 
     @property
     def reads_batches(self) -> bool:
-        """The intake reads a batch sampler's batches whole (dataecho.pipeline.batches),
+        """The intake reads a batch sampler's batches whole (dataecho.pipeline.stages.batches),
         and learns the examples' structure from the first of them itself."""
         return isinstance(self.intake, BatchesSpec)
 
     @property
     def stage_names(self) -> list[str]:
         """The names of the stages an exact state holds, first to last."""
-        names = ["intake", "batch_echo", "augment", "delivery"]
-        return [name for name in names if getattr(self, name) is not None]
+        return [name for name, _ in CHAIN if name not in _STATELESS and getattr(self, name) is not None]
+
+
+class Planner:
+    """A loader's configuration as the code that serves the loader across
+    epochs sees it (dataecho.pipeline.progress: resume, replay, elastic
+    resume, the job): the plan of its epochs, where this rank stands, and the
+    planner of the same loader on another rank, world size or seed. That code
+    never reads the configuration itself.
+
+    Args:
+        config: the loader's validated configuration.
+        planned: its plan, where made already (else made here).
+
+    Attributes:
+        plan: the plan of the configuration's epochs.
+    """
+
+    def __init__(self, config: LoaderConfig, planned: Plan | None = None) -> None:
+        self._config = config
+        self.plan = planned if planned is not None else plan(config)
+
+    @property
+    def configuration(self) -> LoaderConfig:
+        """The configuration itself, for the loader that exposes it (``loader.config``)."""
+        return self._config
+
+    @property
+    def shard(self) -> Shard:
+        """This loader's rank and world size."""
+        return self._config.shard
+
+    @property
+    def seed(self) -> int:
+        return self._config.seed
+
+    @property
+    def seed_given(self) -> bool:
+        """The seed was given (else drawn: a loaded state's replaces it)."""
+        return self._config.seed_given
+
+    @property
+    def shard_given(self) -> bool:
+        """rank and world_size were given (else torch.distributed decides)."""
+        return self._config.shard_given
+
+    @property
+    def replayable(self) -> bool:
+        """A position mid-epoch follows from the seed alone (see LoaderConfig.replayable)."""
+        return self._config.replayable
+
+    @property
+    def echo_factor(self) -> float:
+        return self._config.echo.factor
+
+    @property
+    def examples(self) -> int:
+        """The map-style dataset's length."""
+        return len(self._config.dataset)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a state records of the arguments that decide the batches (LoaderConfig.fingerprint)."""
+        return self._config.fingerprint()
+
+    def dealing(self, epoch: int, segment: int) -> dict[str, Any]:
+        """The settings by which an elastic resume deals out an epoch's owed
+        deliveries (dataecho.pipeline.progress.elastic.Dealing's fields)."""
+        config = self._config
+        return {"world_size": config.shard.world_size, "batch_size": config.batch_size,
+                "factor": config.echo.factor, "drop_last": config.drop_last, "capacity": self.plan.intake.capacity,
+                "seed": config.seed, "epoch": epoch, "segment": segment, "augmented": config.augment is not None}
+
+    def on_shard(self, shard: Shard) -> Planner:
+        """The same loader as rank ``shard.rank`` of ``shard.world_size``."""
+        return self if shard == self._config.shard else Planner(self._config.with_shard(shard))
+
+    def with_seed(self, seed: int) -> Planner:
+        """The same loader with ``seed`` (a loaded state's)."""
+        return Planner(self._config.with_seed(seed))
+
+    def stand_in(self, augment: Callable[..., Any]) -> Plan:
+        """The plan of a stand-in for this loader whose examples are their
+        dataset indices (dataecho.config.stand_in), ``augment`` in place of the user's."""
+        return plan(stand_in(self._config, augment))
 
 
 def plan(config: LoaderConfig) -> Plan:
@@ -118,18 +218,18 @@ def plan(config: LoaderConfig) -> Plan:
     order = OrderSpec(config.dataset, config.sampler, config.shard, config.shuffle, config.seed,
                       config.drop_last, config.batch_sampler) if config.map_style else None
     source = SourceSpec(config.dataset, config.transform, order, config.seed, config.shard.rank,
-                        for_processes=config.worker_type == "process", chunk=min(CHUNK, config.batch_size),
+                        chunk=min(CHUNK, config.batch_size),
                         marks=_marks(config))
     batch_echo = _batch_echo(config, exact) if config.echo.at == "batch" and not config.in_order else None
     intake = _batches(config, source) if config.batch_sampler is not None else _intake(config, source, exact)
     return Plan(
         source=source, intake=intake, batch_echo=batch_echo,
-        augment=_augment(config, exact) if config.augment is not None else None,
+        augment=_augment(config, exact, batch_echo) if config.augment is not None else None,
         delivery=DeliverySpec(config.device, config.padding) if exact or config.device is not None else None,
-        output=OutputSpec(config.output if config.output != "numpy" and config.device is None else None,
+        output=OutputSpec(output_kind(config.output if config.device is None else "numpy", config.jax_device),
                           config.batched, config.collate_fn, config.padding if config.device is None else None,
                           config.timeout, config.ragged or frozenset(), config.augment is None,
-                          config.deterministic_given, config.jax_device),
+                          config.deterministic_given),
         checkpoint=_checkpoint(config),
         batches_per_epoch=lambda: _batches_per_epoch(config, order),
         lockstep=LockstepSpec() if config.echo.auto and config.shard.world_size > 1 else None,
@@ -139,7 +239,8 @@ def plan(config: LoaderConfig) -> Plan:
 def _checkpoint(config: LoaderConfig) -> str | None:
     if config.exact_checkpoint:
         return "exact"
-    return None if config.map_style or config.worker_type == "process" else "skip"
+    # An iterable whose readers each iterate a shard of their own has no one count to skip ahead by.
+    return None if config.map_style or kind_of(_workers(config)).own_shards else "skip"
 
 
 def _marks(config: LoaderConfig) -> bool:
@@ -224,11 +325,11 @@ def _batch_echo(config: LoaderConfig, exact: bool) -> BatchEchoSpec:
     batch_size = None if config.batch_sampler is not None else config.batch_size
     return BatchEchoSpec(resident=config.shuffle_buffer, batch_size=batch_size, echo_factor=config.echo.factor,
                          max_echo=config.echo.max_echo, exact=config.exact_echo,
-                         torch_output=config.output == "torch",
+                         writable_output=not output_kind(config.output).read_only,
                          views_batch_memory=config.augment is None and config.device is None)
 
 
-def _augment(config: LoaderConfig, exact: bool) -> AugmentSpec:
+def _augment(config: LoaderConfig, exact: bool, batch_echo: BatchEchoSpec | None) -> AugmentSpec:
     takes_rng = config.augment_takes_rng
     workers = DEFAULT_WORKERS if config.auto_workers else max(1, config.workers)
     processes = workers if config.augment_workers == "process" else 0
@@ -241,6 +342,8 @@ def _augment(config: LoaderConfig, exact: bool) -> AugmentSpec:
         prefetch=config.prefetch, deterministic=config.deterministic, in_order=config.in_order,
         declared_ragged=config.ragged, ragged_bytes=config.ragged_bytes, pinned_batches=_pinned_batches(config),
         pinned_device=config.device,
+        # Staging blocks: those in flight to the workers, and what the echo buffer and batch echo hold beyond.
+        staged_batches=STAGED_BATCHES + 2 * processes + (batch_echo.resident if batch_echo else 0) if processes else 0,
     )
 
 

@@ -91,7 +91,8 @@ class OrderSpec:
         length goes on from where the saved indices end; a batch sampler's
         order was saved whole."""
         if self.sampler is None or self.batch_sampler is not None or hasattr(self.sampler, "__len__"):
-            return saved  # whole (without a sampler: one spread over another world size, dataecho.pipeline.elastic)
+            # Whole (without a sampler: one spread over another world size, dataecho.pipeline.progress.elastic).
+            return saved
         return LazyOrder(itertools.islice(iter(self.sampler), len(saved), None), len(self.dataset), saved)
 
     def examples_per_epoch(self) -> int:

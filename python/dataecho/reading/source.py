@@ -1,6 +1,7 @@
 """What one epoch reads: the reading order of a map-style source (this rank's
 shard of a seeded permutation) or an iterator over an iterable one, with
-``transform`` applied, and the per-epoch seeds.
+``transform`` applied. (An epoch's seeds and the loader's resources are
+dataecho.workers.resources'.)
 
 Positions in the order are also the examples' sequence numbers: a checkpoint
 names an example by its position, and :meth:`EpochSource.read_rows` reads any
@@ -23,8 +24,8 @@ from ..errors import stop_iteration_error
 from ..examples.leaves import stack
 from ..examples.structure import Structure
 from .chunking import CHUNK, chunked
+from .map_readers import map_reader
 from .order import OrderSpec
-from .readers import map_reader
 from .restart import Mark, Marks
 from .sampled import LazyOrder
 
@@ -57,9 +58,9 @@ class SourceSpec:
         dataset: the map-style dataset or the iterable.
         transform: per-example function run by the producers, or None.
         order: a map-style source's reading order; None for an iterable.
-        seed: the loader's seed (the per-epoch seeds derive from it).
+        seed: the loader's seed (the per-epoch seeds derive from it:
+            dataecho.workers.resources.Seeds).
         rank: this process's rank (seeds differ per rank).
-        for_processes: worker processes read it: the dataset is pickled for them.
         chunk: positions of a map-style order a worker claims at a time.
         marks: a restartable iterable (dataecho.reading.restart) whose states
             a checkpoint can use: its iteration is marked as it is read.
@@ -70,7 +71,6 @@ class SourceSpec:
     order: OrderSpec | None
     seed: int
     rank: int
-    for_processes: bool
     chunk: int = CHUNK
     marks: bool = False
 
@@ -94,11 +94,7 @@ class EpochSource:
         bounds: with a batch sampler, where each of its batches starts in
             ``order`` (batch i is positions ``bounds[i]`` to ``bounds[i + 1] - 1``);
             else None.
-        reader: map-style: how positions of the order are read (dataecho.reading.readers).
-        seeds: per-rank seeds of this epoch: [unused, batch echo and workers,
-            echo buffer, augment output].
-        pool: the loader's WorkerPool (``persistent_workers``), or None.
-        memory: the loader's ``_core.BlockCache`` for the echo buffer, or None.
+        reader: map-style: how positions of the order are read (dataecho.reading.map_readers).
         iterator: iterable sources: the iterator, made by whoever first asks for
             it (a reading thread: ``__iter__`` is user code, and the training
             loop's thread does not run it when workers read).
@@ -106,12 +102,10 @@ class EpochSource:
             (positions in the epoch's iteration), or None.
     """
 
-    def __init__(self, spec: SourceSpec, epoch: int, skip: int = 0, pool: Any = None,
-                 memory: Any = None, saved_order: np.ndarray | None = None,
+    def __init__(self, spec: SourceSpec, epoch: int, skip: int = 0, saved_order: np.ndarray | None = None,
                  saved_bounds: np.ndarray | None = None, restart: Mark | None = None) -> None:
         self.spec = spec
         self.epoch = epoch
-        self.pool, self.memory = pool, memory
         self.transform, self.chunk = spec.transform, spec.chunk
         self.order: np.ndarray | None = None
         self.bounds: np.ndarray | None = None
@@ -131,9 +125,6 @@ class EpochSource:
             else:
                 self.order = spec.order.order(epoch) if saved_order is None else spec.order.resumed(saved_order)
             self.reader = map_reader(spec.dataset, spec.transform, self.order)
-        # The shuffle, echo and worker seeds differ per rank.
-        seeds = np.random.SeedSequence([spec.seed, epoch, spec.rank]).generate_state(4, dtype=np.uint64)
-        self.seeds = [int(s) for s in seeds]
 
     @property
     def iterator(self) -> Iterator[Any]:

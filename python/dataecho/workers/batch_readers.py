@@ -1,6 +1,6 @@
 """Who reads a batch sampler's batches: worker threads, or with
 ``num_workers=0`` the consumer's own thread when a batch is asked for (as
-dataecho.workers.inline reads for the echo buffer).
+dataecho.workers.inline_reader reads for the echo buffer).
 
 Each worker takes the next batch number under a lock, reads that batch whole
 (``read``, given by the stage) and leaves it for the consumer, who takes the
@@ -22,8 +22,8 @@ import time
 from typing import Any, Callable
 
 from .failure import Failure
-from .spec import WorkersSpec
 from .growth import AUTO_THREADS, Growth
+from .spec import WorkersSpec
 
 __all__ = ["BatchReaders"]
 

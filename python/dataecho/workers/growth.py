@@ -36,7 +36,7 @@ SAMPLE_S = 0.05  # seconds of reading measured before deciding
 RECHECK_S = 0.5  # then how often the GIL is checked again
 GIL_BUSY_S = 0.001  # a median wait to take the GIL back longer than this: another thread keeps it busy
 
-logger = logging.getLogger("dataecho")  # silent unless configured (see dataecho.pipeline.stats)
+logger = logging.getLogger("dataecho")  # silent unless configured (see dataecho.pipeline.progress.stats)
 
 
 def gil_wait_s(probes: int = 3) -> float:

@@ -12,7 +12,7 @@ import threading
 import traceback
 from typing import Any
 
-__all__ = ["guard", "report", "send"]
+__all__ = ["RemoteTraceback", "guard", "report", "send"]
 
 
 def guard(lifeline: Any) -> int | None:
@@ -73,3 +73,14 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a worker process, as text."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.text}"""'

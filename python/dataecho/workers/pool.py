@@ -12,9 +12,12 @@ next epoch starts new workers.
 from __future__ import annotations
 
 import time
+from multiprocessing.connection import wait
 from typing import Any
 
-__all__ = ["WorkerPool", "close_workers", "reap"]
+__all__ = ["PROCESS_GRACE_S", "WorkerPool", "close_workers", "reap"]
+
+PROCESS_GRACE_S = 2.0  # a stopped worker gets this long to exit before it is terminated
 
 
 def close_workers(tasks: list[Any], processes: list[Any], grace_s: float) -> None:
@@ -52,8 +55,8 @@ class WorkerPool:
         processes: the worker processes, by worker id.
         results: per worker, the connection its messages arrive on.
         lifeline: the write end of the pipe whose EOF tells the workers that
-            this process is gone (see dataecho.workers.processes).
-        augmenters: the augment worker processes (dataecho.workers.augmenters),
+            this process is gone (see dataecho.workers.process_readers).
+        augmenters: the augment worker processes (dataecho.workers.augment.augment_pool),
             kept idle between epochs, or None.
     """
 
@@ -79,6 +82,26 @@ class WorkerPool:
         """Sends every worker its next epoch (the WorkerSpec fields that change)."""
         for task in self._tasks:
             task.send(update)
+
+    def await_done(self, done: set[int], deadline: float) -> bool:
+        """Reads the messages of each worker not in ``done`` until its "done"
+        for this epoch; False if one fails, exits or is still busy at
+        ``deadline`` (time.monotonic(); the pool is then to be closed)."""
+        pending = {pipe: i for i, pipe in enumerate(self.results) if i not in done}
+        while pending:
+            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return False
+            for pipe in ready:
+                try:
+                    message = pipe.recv()
+                except (EOFError, OSError):
+                    return False
+                if message[0] == "error":
+                    return False
+                if message[0] == "done":
+                    pending.pop(pipe)
+        return True
 
     def close(self, grace_s: float) -> None:
         """Asks the workers to exit, gives them ``grace_s`` seconds, then

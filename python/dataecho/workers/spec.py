@@ -3,10 +3,16 @@ the planner (dataecho.pipeline.plan)."""
 
 from __future__ import annotations
 
+import multiprocessing
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["WorkersSpec"]
+__all__ = ["WorkersSpec", "default_start_method"]
+
+
+def default_start_method() -> str:
+    """forkserver where it exists (fast starts, no fork of a threaded parent), else spawn."""
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
 @dataclass(frozen=True)
@@ -18,7 +24,7 @@ class WorkersSpec:
             ``"thread"`` or ``"process"``.
         count: threads or processes (1 for inline).
         auto: threads only: start with one reading thread and add more while
-            reads wait (dataecho.workers.threads); ``count`` is then 1.
+            reads wait (dataecho.workers.thread_readers); ``count`` is then 1.
         start_method: processes: how they are started.
         worker_init_fn: called with the worker's number in each worker, before it reads.
         window: deterministic intake: how far (in positions) a worker may read
