@@ -18,7 +18,7 @@ from typing import Any, Callable
 from .. import _checks, _core
 from ..reading.ray import RayRows, is_ray_data
 from ..reading.sharding import Shard, resolve_shard
-from ..reading.source import is_map_style
+from ..reading.source import in_fixed_order, is_map_style
 from ..workers.spec import default_start_method
 from . import dataloader
 from .batch_sampler import check_batch_sampler, check_with_batch_sampler, default_echo_at
@@ -267,7 +267,7 @@ def _deterministic(asked: bool | None, echo: Echo, dataset: Any, worker_type: st
         return asked
     too_small = (echo.per_example and isinstance(shuffle_buffer, int)  # batches resident with echo_at="batch"
                  and shuffle_buffer < 2 * batch_size)
-    iterable_ok = worker_type == "thread" and not isinstance(dataset, RayRows)
+    iterable_ok = worker_type == "thread" and in_fixed_order(dataset)
     return not echo.auto and not too_small and (is_map_style(dataset) or iterable_ok)
 
 

@@ -64,6 +64,8 @@ class RayRows:
         prefetch_batches: batches Ray reads ahead.
     """
 
+    fixed_order = False  # Ray may hand out the rows in another order at each read (see in_fixed_order)
+
     def __init__(self, data: Any, batch_size: int | None = None, prefetch_batches: int = 1) -> None:
         self.data = data
         self.batch_size, self.prefetch_batches = batch_size, prefetch_batches

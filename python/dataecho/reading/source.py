@@ -29,7 +29,7 @@ from .order import OrderSpec
 from .restart import Mark, Marks
 from .sampled import LazyOrder
 
-__all__ = ["SAMPLE", "EpochSource", "SourceSpec", "is_map_style"]
+__all__ = ["SAMPLE", "EpochSource", "SourceSpec", "in_fixed_order", "is_map_style"]
 
 SAMPLE = 8  # examples read first, to learn the structure (which leaves vary in length)
 
@@ -42,6 +42,13 @@ def is_map_style(source: Any) -> bool:
     if isinstance(source, (str, bytes)) or not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
         return False
     return not _is_torch_iterable(source)
+
+
+def in_fixed_order(source: Any) -> bool:
+    """An iterable yields its examples in the same order each time it is read
+    (a source kind that does not says so with ``fixed_order = False``, as
+    dataecho.reading.ray.RayRows): only then can reading be deterministic."""
+    return getattr(source, "fixed_order", True)
 
 
 def _is_torch_iterable(source: Any) -> bool:
