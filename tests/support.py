@@ -360,6 +360,33 @@ class ExitAt:
         return example
 
 
+class QuotaExceeded(Exception):
+    """An exception whose constructor takes other arguments than its message,
+    a common library pattern: it pickles, but does not unpickle."""
+
+    def __init__(self, bucket: str, retry_after: float) -> None:
+        super().__init__(f"quota of {bucket} exceeded; retry after {retry_after} s")
+        self.bucket, self.retry_after = bucket, retry_after
+
+
+class RaiseAt:
+    """A transform that, in a worker process, at record `record`, calls
+    ``sys.exit(0)`` (``"exit"``), raises KeyboardInterrupt (``"interrupt"``) or
+    QuotaExceeded (``"quota"``)."""
+
+    def __init__(self, record: int, what: str) -> None:
+        self.record, self.what = record, what
+
+    def __call__(self, example: dict[str, Any]) -> dict[str, Any]:
+        if int(example["id"]) == self.record and dataecho.get_worker_info() is not None:
+            if self.what == "exit":
+                sys.exit(0)
+            if self.what == "interrupt":
+                raise KeyboardInterrupt
+            raise QuotaExceeded("images", 2.5)
+        return example
+
+
 # ---- what went in and what came out ----
 
 

@@ -190,3 +190,21 @@ def test_set_epoch_splits_an_epoch_between_two_ranks_even_after_a_peek(seed):
     assert set(shares[0]) | set(shares[1]) == set(range(64)), "the ranks miss examples"
     assert shares == [delivered(loader) for loader in plain], "the peek moved rank 0 off epoch 3"
     assert set(shares[0]) != set(delivered(unset[0])), "epoch 3 split the dataset as epoch 0 does"
+
+
+def test_hugging_face_integer_columns_come_as_int64_as_with_format_torch_gives_them():
+    # datasets stores input_ids as int32 and attention_mask as int8; a causal LM's loss takes labels=input_ids
+    # and wants int64 (torch's "expected target dtype to be Long"), which DataLoader(ds.with_format("torch")) gives.
+    features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
+                                  "attention_mask": datasets.List(datasets.Value("int8")),
+                                  "score": datasets.Value("float64")})
+    rows = {"input_ids": [[i, i + 1, i + 2] for i in range(64)], "attention_mask": [[1, 1, 0]] * 64,
+            "score": [i / 2 for i in range(64)]}
+    dataset = datasets.Dataset.from_dict(rows, features=features)
+    batch = next(iter(dataecho.EchoLoader(dataset, batch_size=8, echo_factor=1, output="torch", seed=0)))
+    reference = next(iter(torch.utils.data.DataLoader(dataset.with_format("torch"), batch_size=8)))
+    for name in ("input_ids", "attention_mask", "score"):
+        assert batch[name].dtype == reference[name].dtype, name
+    assert batch["input_ids"].dtype == torch.int64 and batch["score"].dtype == torch.float32
+    logits = torch.zeros(8, 3, 100)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["input_ids"].flatten())  # int64 targets

@@ -137,6 +137,26 @@ def test_num_workers_0_raises_the_sources_errors_in_the_loop(seed):
         ids(stops)
 
 
+@pytest.mark.parametrize("workers", [{"num_workers": 0}, {"num_workers": 2},
+                                     {"num_workers": 2, "worker_type": "process"}])
+def test_an_error_from_the_dataset_is_raised_once_then_the_epoch_is_over(workers, seed):
+    # A loop that catches the error and asks again ends: the error stopped the epoch's stages, with every
+    # kind of reader alike (torch's DataLoader goes on with the next batches; docs/from-dataloader.md).
+    loader = dataecho.EchoLoader(Records(300, fail_at=150), batch_size=8, shuffle_buffer=32, seed=seed, **workers)
+    epoch, errors, batches = iter(loader), 0, 0
+    for _ in range(1000):
+        try:
+            next(epoch)
+            batches += 1
+        except InjectedFault:
+            errors += 1
+        except StopIteration:
+            break
+    else:
+        pytest.fail("next() never ended the epoch after the error")
+    assert errors == 1 and batches < 300 * 2 // 8
+
+
 # ---- collate_fn, sampler, worker_init_fn ----
 
 
@@ -222,6 +242,24 @@ def test_generator_seeds_the_order_when_no_seed_is_given():
     assert order(generator=torch.Generator().manual_seed(3)) == order(generator=torch.Generator().manual_seed(3))
     assert order(generator=torch.Generator().manual_seed(3)) != order(generator=torch.Generator().manual_seed(4))
     assert order(generator=torch.Generator().manual_seed(3), seed=11) == order(seed=11), "a seed takes precedence"
+
+
+def test_torch_manual_seed_seeds_the_order_when_neither_seed_nor_generator_is_given():
+    # As RandomSampler draws its seed from torch's default generator.
+    torch = pytest.importorskip("torch")
+
+    def order(manual_seed: int, **kwargs) -> list:
+        torch.manual_seed(manual_seed)
+        loader = dataecho.EchoLoader(Records(64), batch_size=8, echo_factor=1, num_workers=1, shuffle_buffer=8, **kwargs)
+        return [checked_ids(b).tolist() for b in loader]
+
+    assert order(5) == order(5), "the same torch.manual_seed, the same order"
+    assert order(5) != order(6)
+    assert order(5, seed=11) == order(6, seed=11), "a seed given takes precedence"
+    torch.manual_seed(5)
+    drawn = dataecho.EchoLoader(Records(64), batch_size=8).config.seed
+    torch.manual_seed(5)
+    assert torch.empty((), dtype=torch.int64).random_().item() & ((1 << 63) - 1) == drawn, "one draw, as RandomSampler"
 
 
 def test_multiprocessing_context_means_worker_processes_and_prefetch_factor_is_per_worker():

@@ -410,6 +410,23 @@ def test_len_is_defined_only_where_it_is_fixed():
         len(dataecho.EchoLoader(iter(range(1000))))
 
 
+def test_len_of_an_iterable_dataset_with_len_is_its_word_for_it_as_in_dataloader():
+    torch = pytest.importorskip("torch")
+
+    class Sized(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(1000))
+
+        def __len__(self):
+            return 1000
+
+    assert len(dataecho.EchoLoader(Sized(), batch_size=64, echo_factor=1)) == 16
+    assert len(torch.utils.data.DataLoader(Sized(), batch_size=64)) == 16
+    assert len(dataecho.EchoLoader(Sized(), batch_size=64, echo_factor=2, drop_last=True)) == 31
+    loader = dataecho.EchoLoader(Sized(), batch_size=64, echo_factor=2, seed=1)
+    assert sum(1 for _ in loader) == len(loader) == 32, "the batches the epoch yields"
+
+
 def test_drop_last_yields_only_full_batches(seed):
     loader = dataecho.EchoLoader(range(1000), batch_size=64, echo_factor=1, drop_last=True, seed=seed)
     batches = list(loader)

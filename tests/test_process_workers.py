@@ -5,6 +5,7 @@ slots; errors, killed workers and Ctrl-C end the epoch cleanly, and nothing
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from support import (
     ExitAt,
     InjectedFault,
     MarkedRecords,
+    RaiseAt,
     Records,
     Stream,
     checked_ids,
@@ -178,6 +180,23 @@ def test_a_worker_that_exits_before_its_share_is_done_is_an_error(status, seed):
     )
     with pytest.raises(RuntimeError, match=rf"exited \(status {status}\) before finishing its share"):
         list(loader)
+
+
+@pytest.mark.parametrize(("what", "message"), [
+    ("exit", r"SystemExit\(0\) raised in dataecho worker \d by the dataset, transform or augment"),
+    ("interrupt", r"KeyboardInterrupt\(\) raised in dataecho worker \d"),
+    ("quota", r"support\.QuotaExceeded: quota of images exceeded; retry after 2\.5 s \(raised in dataecho worker"),
+])
+def test_what_a_worker_cannot_send_as_it_is_comes_as_a_runtime_error_with_its_message(what, message, seed):
+    # sys.exit(0) in worker code must not end the training process with status 0 (nor a KeyboardInterrupt
+    # come back as one); an exception that cannot be rebuilt keeps its type's name, message and traceback.
+    loader = dataecho.EchoLoader(Records(3000), batch_size=16, echo_factor=1, num_workers=2,
+                                 worker_type="process", transform=RaiseAt(700, what), seed=seed)
+    with pytest.raises(BaseException) as info:  # noqa: PT011 - the type is the point: checked below
+        list(loader)
+    assert type(info.value) is RuntimeError, repr(info.value)
+    assert re.search(message, str(info.value)), str(info.value)
+    assert "RaiseAt" in str(info.value.__cause__) or "__call__" in str(info.value.__cause__), "the worker's traceback"
 
 
 def test_leaving_early_stops_the_workers(seed):
@@ -383,3 +402,24 @@ def test_a_long_object_leaf_goes_through_worker_processes_as_through_threads():
     with pytest.raises(ValueError, match=r"dataset\[123\]: its ragged values take .* with worker processes, "
                                          r"object leaves \(str, bytes, \.\.\.\) travel pickled"):
         captions(worker_type="process", ragged_bytes=1 << 16)
+
+
+def test_a_script_without_the_main_guard_is_told_to_add_it(tmp_path):
+    # Worker processes import the main script again; without the guard each
+    # builds and iterates the loader while it starts, and exits (as under DataLoader).
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import dataecho\n"
+        "loader = dataecho.EchoLoader(list(range(64)), batch_size=8, echo_factor=1, num_workers=2, worker_type='process')\n"
+        "print(sum(1 for _ in loader))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode != 0
+    assert f"{script} has no `if __name__ == \"__main__\":` guard" in result.stderr, result.stderr[-2000:]
+    assert "worker_type=\"thread\"" in result.stderr
+    guarded = tmp_path / "guarded.py"
+    guarded.write_text("if __name__ == '__main__':\n" + "".join(f"    {line}\n" for line in
+                                                               script.read_text().splitlines()))
+    result = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0 and result.stdout.split() == ["8"], result.stderr[-2000:]

@@ -326,7 +326,10 @@ def _envelope(loader: EchoLoader) -> Envelope:
 
 
 def _length(loader: EchoLoader, epoch: int, history: list) -> int | None:
-    """Batches of ``epoch`` on this rank in all, or None where not known."""
+    """Batches of ``epoch`` on this rank in all, or None where not known (an
+    iterable's ``__len__`` gives len(loader), but may lie: it ends no epoch)."""
+    if loader._planner.plan.source.order is None:
+        return None
     try:
         return loader._position.length(loader._planner, epoch, history)
     except TypeError:

@@ -35,6 +35,7 @@ Where torch warns and goes on, so does dataecho.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -108,7 +109,16 @@ def prefetch(prefetch_factor: Any, workers: int | None) -> int:
 
 
 def seed(generator: Any, value: Any) -> Any:
-    """``seed``, or one drawn from DataLoader's ``generator`` when no seed is given."""
+    """``seed``, or one drawn from DataLoader's ``generator`` when no seed is
+    given; with neither, where torch is imported, one drawn from torch's
+    default generator, as ``RandomSampler`` draws its seed: a script that calls
+    ``torch.manual_seed(s)`` before building the loader shuffles the same way
+    at every run. (None: neither, and no torch; a random seed is drawn.)"""
+    if generator is None and value is None:
+        torch = sys.modules.get("torch")
+        if torch is None or not hasattr(torch, "empty"):  # not imported, or part-way through its import
+            return None
+        return int(torch.empty((), dtype=torch.int64).random_().item()) & ((1 << 63) - 1)
     if generator is None:
         return value
     torch = import_torch()

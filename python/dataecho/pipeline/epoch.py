@@ -71,6 +71,7 @@ class Epoch:
         self._closed = False
         self._state = "running"  # then "complete", "stopped" or "failed" (see dataecho.pipeline.progress.stats)
         self._superseded = False  # ended by a later iter(loader): its next() says so
+        self._failure_raised = False  # the failure of a stage reached the loop (once)
         self._consumer = threading.Lock()
         self._started = time.perf_counter()
         self._wait_s, self._delivered, self.taken = 0.0, 0, 0
@@ -158,7 +159,9 @@ class Epoch:
             # threads and processes are stopped before the error reaches the loop.
             failure = self._stages.chain.failure
             self._finish("complete" if failure.error is None else "failed")
-            failure.raise_if_set()
+            if not self._failure_raised:  # once: the loop that catches it and goes on finds the epoch over
+                self._failure_raised = failure.error is not None
+                failure.raise_if_set()
             raise
         except BaseException as error:  # Ctrl-C, or an error of the native core: stop every stage
             self._finish("stopped" if isinstance(error, KeyboardInterrupt) else "failed")

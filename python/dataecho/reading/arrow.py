@@ -1,7 +1,7 @@
 """A Hugging Face ``datasets.Dataset`` (Arrow-backed) read through its Arrow
 table, without ``transform``: one Arrow ``take`` per chunk, converted to NumPy
-columns; leaves have the Arrow column's type, as declared in the dataset's
-features."""
+columns; leaves have the dtypes the dataset's own numpy and torch formats give
+(integers int64, floats float32)."""
 
 from __future__ import annotations
 
@@ -171,7 +171,21 @@ def _to_numpy(name: str, array: Any, shape: list[int], levels: list[tuple[int, i
         array = array.flatten()
         _refuse_missing(name, array)
         shape.append(shortest)
-    return array.to_numpy(zero_copy_only=False).reshape(shape)
+    return _as_formatted(array.to_numpy(zero_copy_only=False).reshape(shape))
+
+
+def _as_formatted(values: np.ndarray) -> np.ndarray:
+    """A column as the dataset's own ``numpy`` and ``torch`` formats give it
+    (what ``DataLoader(ds.with_format("torch"))`` yields): integers as int64
+    (``input_ids`` stored as int32, an ``attention_mask`` as int8: a loss
+    asks for int64 targets), floats as float32; bools, and uint64, which no
+    int64 holds, as they are. A dtype of the user's own is a format option
+    (``with_format("torch", dtype=...)``): the dataset then casts its rows itself."""
+    if values.dtype.kind in "iu" and values.dtype not in (np.int64, np.uint64):
+        return values.astype(np.int64)
+    if values.dtype.kind == "f" and values.dtype != np.float32:
+        return values.astype(np.float32)
+    return values
 
 
 def _refuse_missing(name: str, array: Any) -> None:

@@ -6,13 +6,15 @@ always reach the parent in a form it can unpickle."""
 from __future__ import annotations
 
 import os
+import pickle
+import re
 import signal
 import sys
 import threading
 import traceback
 from typing import Any
 
-__all__ = ["RemoteTraceback", "guard", "report", "send"]
+__all__ = ["RemoteTraceback", "guard", "report", "send", "starting_hint", "unguarded_main"]
 
 
 def guard(lifeline: Any) -> int | None:
@@ -28,10 +30,30 @@ def guard(lifeline: Any) -> int | None:
 
 
 def report(conn: Any, worker: int, error: BaseException) -> None:
-    """Sends an exception of this worker to the parent, which raises it."""
+    """Sends an exception of this worker to the parent, which raises it. One
+    that would end the training process (``sys.exit()``, a KeyboardInterrupt
+    raised by worker code) or that the parent could not rebuild (an exception
+    whose constructor takes other arguments than its message) goes as a
+    RuntimeError naming its type and message; the traceback goes as text."""
+    text = traceback.format_exc()
     if isinstance(error, RuntimeError) and isinstance(error.__cause__, StopIteration):
         error = error.__cause__  # a cause does not pickle: the parent's Failure wraps it again
-    send(conn, ("error", worker, error, traceback.format_exc()))
+    elif not isinstance(error, Exception):
+        error = RuntimeError(f"{type(error).__name__}({error}) raised in dataecho worker {worker} by the "
+                             f"dataset, transform or augment; a worker cannot end the training process")
+    elif not _rebuilds(error):
+        error = RuntimeError(f"{type(error).__module__}.{type(error).__qualname__}: {error} (raised in dataecho "
+                             f"worker {worker}; the exception itself cannot be rebuilt from a pickle)")
+    send(conn, ("error", worker, error, text))
+
+
+def _rebuilds(error: BaseException) -> bool:
+    """The parent can unpickle ``error`` (its constructor takes its ``args``)."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:  # noqa: BLE001 - any failure to round-trip
+        return False
+    return True
 
 
 def send(conn: Any, message: tuple) -> None:
@@ -84,3 +106,26 @@ class RemoteTraceback(Exception):
 
     def __str__(self) -> str:
         return f'\n"""\n{self.text}"""'
+
+
+def unguarded_main() -> str | None:
+    """The path of the main script where it has no ``if __name__ == "__main__":``
+    guard, else None. A worker process started by forkserver or spawn imports
+    the main script again; without the guard it builds and iterates the loader
+    there, and starting processes while the worker itself starts fails."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not path:
+        return None  # an interactive session, or python -c: nothing is imported again
+    try:
+        with open(path, encoding="utf-8", errors="replace") as script:
+            source = script.read()
+    except OSError:
+        return None
+    return None if re.search(r"""__name__\s*==\s*['"]__main__['"]""", source) else path
+
+
+def starting_hint(path: str) -> str:
+    """What to do about a worker that exited as it started, in a script without the guard."""
+    return (f". It exited as it started, and {path} has no `if __name__ == \"__main__\":` guard: worker "
+            f"processes import the main script again, so the code that builds and iterates the loader must be "
+            f"under that guard (as with DataLoader's worker processes), or use worker_type=\"thread\"")

@@ -21,7 +21,7 @@ from ..examples.structure import Structure
 from ..native.echo_buffer import NativeBuffer
 from ..reading.source import EpochSource
 from . import reader_worker as child
-from .life import RemoteTraceback
+from .life import RemoteTraceback, starting_hint, unguarded_main
 from .pool import PROCESS_GRACE_S, WorkerPool, reap
 from .probe import Probe
 from .readers import InBackground, Kind, Reading
@@ -266,6 +266,8 @@ class ProcessProducers(InBackground):
             how = f"was killed by {signal.Signals(-code).name}"
         else:
             how = f"exited (status {code}) before finishing its share of the source"
+            if worker not in ready and (script := unguarded_main()) is not None:
+                how += starting_hint(script)
         self._fail(RuntimeError(f"dataecho worker {worker} (pid {process.pid}) {how}; the epoch is stopped"))
 
     def _fail(self, error: BaseException) -> None:
