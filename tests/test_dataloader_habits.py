@@ -179,6 +179,26 @@ def test_collate_fn_gets_each_batchs_examples_as_views(output, seed):
     assert calls == [n for _, n in batches] and sum(calls) == 200
 
 
+def test_collate_fn_gets_a_0_d_tensor_as_the_dataset_returned_it(seed):
+    torch = pytest.importorskip("torch")
+
+    class Scalars(torch.utils.data.Dataset):
+        def __len__(self):
+            return 32
+
+        def __getitem__(self, i):
+            return {"loss_weight": torch.tensor(float(i)), "x": torch.ones(2)}
+
+    given = []
+    loader = dataecho.EchoLoader(Scalars(), batch_size=4, echo_factor=1, num_workers=0, seed=seed,
+                                 collate_fn=lambda examples: given.extend(examples) or len(examples))
+    assert sum(loader) == 32
+    assert {tuple(e["loss_weight"].shape) for e in given} == {()}, "shape (), as torch's collate_fn is given"
+    assert sorted(float(e["loss_weight"]) for e in given) == [float(i) for i in range(32)]
+    one = next(iter(dataecho.EchoLoader(Scalars(), batch_size=None, num_workers=0, output="torch", seed=seed)))
+    assert one["loss_weight"].shape == () and one["x"].shape == (2,), "batch_size=None: the example as it was"
+
+
 def test_a_sampler_decides_the_order_of_reads(seed):
     order = [5, 3, 3, 9, 0, 0, 0, 7]  # a curriculum with repeats
     loader = dataecho.EchoLoader(Records(10), batch_size=4, echo_factor=1, shuffle_buffer=4, sampler=order,

@@ -56,7 +56,7 @@ def as_given(row: Any, given: str) -> Any:
     if given == "list":
         return row.tolist()
     if given == "tensor":
-        return from_numpy(import_torch(), np.ascontiguousarray(row))
+        return from_numpy(import_torch(), _contiguous(row))
     return row  # an array (a view), an object, or a raw leaf's bytes (Structure.unflatten makes the tensor)
 
 
@@ -74,6 +74,11 @@ def default_convert(value: Any) -> Any:
         return [default_convert(item) for item in value]
     if isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind in "biufc":
         torch = import_torch()
-        return from_numpy(torch, np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else \
-            torch.as_tensor(value)
+        return from_numpy(torch, _contiguous(value)) if isinstance(value, np.ndarray) else torch.as_tensor(value)
     return value
+
+
+def _contiguous(array: np.ndarray) -> np.ndarray:
+    """``array`` in C order, its shape kept (``np.ascontiguousarray`` makes a
+    0-d array 1-d: a tensor the dataset returned as shape () would come as (1,))."""
+    return array if array.flags.c_contiguous else array.copy(order="C")
