@@ -631,3 +631,24 @@ def test_deterministic_workers_claim_chunks_within_the_echo_buffers_reorder_wind
     window = reorder_window(intake.capacity, 64)
     assert 2 * 6 * intake.workers.chunk(64, 6) <= max(window, 2 * 6), (intake.capacity, window)
     loader.close()
+
+
+@pytest.mark.parametrize("output", ["numpy", "torch", "jax"])
+def test_big_endian_leaves_come_in_native_byte_order_with_their_values(output, seed):
+    # FITS files and network-order records: the rows are copied into batch memory anyway.
+    if output != "numpy":
+        pytest.importorskip(output)
+    records = [{"x": np.arange(3, dtype=">f4") + i, "id": np.array(i, dtype=">i4"), "u": np.full(2, i, ">u2")}
+               for i in range(64)]
+    seen = []
+    for batch in dataecho.EchoLoader(records, batch_size=8, echo_factor=1, seed=seed, output=output):
+        ids = np.asarray(batch["id"])
+        assert np.asarray(batch["x"]).dtype == np.float32 and ids.dtype == np.int32
+        assert np.asarray(batch["x"]).dtype.isnative and np.asarray(batch["u"]).dtype == np.uint16
+        np.testing.assert_array_equal(np.asarray(batch["x"]), np.arange(3)[None, :] + ids[:, None])
+        np.testing.assert_array_equal(np.asarray(batch["u"]), np.stack([ids, ids], 1))
+        seen += ids.tolist()
+    assert sorted(seen) == list(range(64))
+    rows = np.arange(128, dtype=">i4").reshape(64, 2)  # an array source, read natively by index
+    batch = next(iter(dataecho.EchoLoader(rows, batch_size=8, echo_factor=1, shuffle=False, output=output)))
+    np.testing.assert_array_equal(np.asarray(batch), np.arange(16).reshape(8, 2))
