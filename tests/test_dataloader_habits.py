@@ -199,6 +199,17 @@ def test_collate_fn_gets_a_0_d_tensor_as_the_dataset_returned_it(seed):
     assert one["loss_weight"].shape == () and one["x"].shape == (2,), "batch_size=None: the example as it was"
 
 
+def test_a_sampler_of_lists_with_batch_size_none_is_refused_naming_batch_sampler():
+    torch = pytest.importorskip("torch")
+    lists = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(range(64)), 8, False)
+    with pytest.raises(TypeError, match=r"sampler: yields lists of indices .* pass it as batch_sampler= instead"):
+        next(iter(dataecho.EchoLoader(Records(64), sampler=lists, batch_size=None)))
+    loader = dataecho.EchoLoader(Records(64), batch_sampler=lists, echo_factor=1)  # what it says to do
+    assert [checked_ids(b).tolist() for b in loader] == [list(range(i, i + 8)) for i in range(0, 64, 8)]
+    with pytest.raises(ValueError, match="worker processes do not read a batch_sampler's batches: those are read"):
+        dataecho.EchoLoader(Records(64), batch_sampler=lists, num_workers=2, worker_type="process")
+
+
 def test_a_sampler_decides_the_order_of_reads(seed):
     order = [5, 3, 3, 9, 0, 0, 0, 7]  # a curriculum with repeats
     loader = dataecho.EchoLoader(Records(10), batch_size=4, echo_factor=1, shuffle_buffer=4, sampler=order,

@@ -8,8 +8,9 @@ follow from echoing them whole.
 - Echo repeats whole batches (``echo_at="batch"``, its default here): example
   echoing would mix an example's repeats into new batches, breaking the
   sampler's, and so would ``augment``, which re-forms batches of a fixed size.
-- Worker threads or ``num_workers=0`` read the batches, not worker processes
-  (not yet).
+- Worker threads or ``num_workers=0`` read the batches, not worker processes:
+  a batch sampler's batches are read whole and handed on in the sampler's
+  order, which processes (filling the echo buffer example by example) do not do.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def check_with_batch_sampler(config: Any, echo_at: Any) -> None:
         )
     if config.worker_type == "process":
         raise ValueError(
-            "worker_type: worker processes do not read a batch_sampler's batches (not yet); use threads "
-            "(worker_type='thread', the default, without multiprocessing_context) or num_workers=0"
+            "worker_type: worker processes do not read a batch_sampler's batches: those are read whole and handed "
+            "on in the sampler's order by threads, while processes fill the echo buffer example by example; use "
+            "threads (worker_type='thread', the default, without multiprocessing_context) or num_workers=0"
         )

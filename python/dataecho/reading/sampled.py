@@ -88,6 +88,12 @@ def _index(item: Any, length: int, name: str) -> int:
     try:
         index = operator.index(item)
     except TypeError:
+        if name == "sampler" and (isinstance(item, (list, tuple)) or getattr(item, "ndim", 0) == 1):
+            raise TypeError(
+                f"{name}: yields lists of indices ({item!r}): DataLoader's bulk loading (batch_size=None, each "
+                f"list handed to __getitem__) is not read that way here, where every example is one index; pass "
+                f"it as batch_sampler= instead (each list is a batch, read in one call where the dataset has "
+                f"__getitems__)") from None
         raise TypeError(f"{name}: expected it to yield int indices, got {item!r} ({type(item).__name__})") from None
     if not 0 <= index < length:
         raise IndexError(f"{name}: yielded index {index}, outside the dataset's {length} examples")
