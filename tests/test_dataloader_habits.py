@@ -11,7 +11,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from support import FIRST, InjectedFault, MarkedRecords, Records, Stall, Stream, checked_ids, mark_worker
+from support import FIRST, InjectedFault, MarkedRecords, Records, Stall, Stream, checked_ids, mark_worker, one
 
 import dataecho
 
@@ -474,3 +474,49 @@ def test_iter_runs_no_user_code_in_the_calling_thread(num_workers):
     assert sorted(i for b in dataecho.EchoLoader(inline, 10, num_workers=0, echo_factor=1) for i in b.tolist()) \
         == list(range(50))
     assert inline.threads == [threading.main_thread()], "num_workers=0 reads in the loop's thread, as DataLoader"
+
+
+class Resumable:
+    """An iterable that restores its own position, as the datasets torchdata's
+    StatefulDataLoader resumes: ``state_dict()`` says where its iteration
+    stands, ``load_state_dict`` makes the next ``iter()`` go on from there."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.next, self._loaded, self.loads = n, 0, None, []
+
+    def __iter__(self):
+        self.next, self._loaded = (self._loaded or 0), None  # a new epoch starts over, a loaded state goes on
+        return self._examples()
+
+    def _examples(self):
+        while self.next < self.n:
+            self.next += 1
+            yield one(self.next - 1)
+
+    def state_dict(self) -> dict:
+        return {"next": self.next}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loads.append(state["next"])
+        self._loaded = state["next"]
+
+
+@pytest.mark.parametrize("cut", [3, 17])
+def test_an_iterable_with_state_dict_resumes_from_its_own_state(cut, seed):
+    def loader(source: Resumable) -> dataecho.EchoLoader:
+        return dataecho.EchoLoader(source, batch_size=8, echo_factor=2, shuffle_buffer=32, num_workers=1, seed=seed)
+
+    reference = [checked_ids(b).tolist() for b in loader(Resumable(300))]
+    first = loader(Resumable(300))
+    epoch = iter(first)
+    taken = [checked_ids(next(epoch)).tolist() for _ in range(cut)]
+    state = first.state_dict()
+    first.close()
+    restored = Resumable(300)
+    restored.load_state_dict({"next": 300})  # a framework restored the dataset already, as StatefulDataLoader does
+    resumed = loader(restored)
+    resumed.load_state_dict(state)
+    rest = [checked_ids(b).tolist() for b in resumed]
+    assert taken + rest == reference, "the same batches as the uninterrupted epoch"
+    assert len(restored.loads) == 2, "the resume loaded the dataset's state (after the framework's own)"
+    assert restored.loads[-1] <= min(i for batch in rest for i in batch), "from at or before what it names"

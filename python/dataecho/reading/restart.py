@@ -9,7 +9,11 @@ An iterable is *restartable* when, besides ``__iter__``, it has:
     iter_from(state)     an iterator that goes on from such a state
 
 (Grain's ``DatasetIterator.get_state``/``set_state`` and torchdata's
-``state_dict``/``reset`` are of this kind: dataecho.echo_step adapts them.)
+``state_dict``/``reset`` are of this kind: dataecho.echo_step adapts them.) So
+is an iterable torch's ``StatefulDataLoader`` resumes: one whose iterators, or
+which itself, have ``state_dict()`` and ``load_state_dict(state)``
+(:class:`StatefulIterable` adapts it: its state is taken before each chunk,
+and a resume loads it and iterates anew).
 While an epoch reads one, the reading thread records its state before each
 chunk it takes (:class:`Marks`: position -> state). A checkpoint saves the
 latest mark at or before the earliest position it names, and a resume restarts
@@ -20,11 +24,12 @@ thread drops the marks that no state can need any more.
 from __future__ import annotations
 
 import bisect
+import copy
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Protocol, runtime_checkable
 
-__all__ = ["Mark", "Marks", "Restartable", "is_restartable"]
+__all__ = ["Mark", "Marks", "Restartable", "StatefulIterable", "is_restartable", "restart_hooks"]
 
 _FEW = 64  # marks kept before the first pruning: with 64-example chunks, a 4,096-example buffer's worth
 
@@ -46,7 +51,48 @@ class Restartable(Protocol):
 
 def is_restartable(source: Any) -> bool:
     """Whether ``source`` is an iterable that can restart part-way (see the module docstring)."""
-    return isinstance(source, Restartable)
+    return restart_hooks(source) is not None
+
+
+def restart_hooks(source: Any) -> Restartable | None:
+    """What restarts ``source`` part-way: itself, its torch-style state as a
+    :class:`StatefulIterable`, or None where it cannot."""
+    if isinstance(source, Restartable):
+        return source
+    kind = type(source)
+    if hasattr(kind, "__iter__") and hasattr(kind, "state_dict") and hasattr(kind, "load_state_dict") \
+            and not hasattr(kind, "__getitem__"):
+        return StatefulIterable(source)
+    return None
+
+
+class StatefulIterable:
+    """An iterable as torch's ``StatefulDataLoader`` resumes it, as a
+    :class:`Restartable`: its iterator's ``state_dict()`` where the iterator
+    has one, else the iterable's own (which then says where its iteration
+    stands); a resume loads that state, into a new iterator or into the
+    iterable before a new ``iter()``. The states go into the loader's state as
+    plain values: dicts, lists, numbers and strings (arrays come back as lists)."""
+
+    def __init__(self, iterable: Any) -> None:
+        self.iterable = iterable
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.iterable)
+
+    def state_of(self, iterator: Iterator[Any]) -> Any:
+        # A copy: a state_dict() may hand out the dict its owner goes on changing.
+        if hasattr(iterator, "state_dict"):
+            return {"iterator": copy.deepcopy(iterator.state_dict())}
+        return {"iterable": copy.deepcopy(self.iterable.state_dict())}
+
+    def iter_from(self, state: Any) -> Iterator[Any]:
+        if "iterator" in state:
+            iterator = iter(self.iterable)
+            iterator.load_state_dict(state["iterator"])
+            return iterator
+        self.iterable.load_state_dict(state["iterable"])
+        return iter(self.iterable)
 
 
 @dataclass(frozen=True)

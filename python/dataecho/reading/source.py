@@ -26,7 +26,7 @@ from ..examples.structure import Structure
 from .chunking import CHUNK, chunked
 from .map_readers import map_reader
 from .order import OrderSpec
-from .restart import Mark, Marks
+from .restart import Mark, Marks, restart_hooks
 from .sampled import LazyOrder
 
 __all__ = ["SAMPLE", "EpochSource", "SourceSpec", "in_fixed_order", "is_map_style"]
@@ -148,10 +148,11 @@ class EpochSource:
         from the saved state, the examples up to ``skip`` dropped now (so that
         its state is that of its next position), and marked there."""
         dataset, restart = self.spec.dataset, self._restart
-        iterator = iter(dataset) if restart is None else dataset.iter_from(restart.state)
+        hooks = restart_hooks(dataset)
+        iterator = iter(dataset) if restart is None else hooks.iter_from(restart.state)
         ahead = self.start - (0 if restart is None else restart.position)
         next(itertools.islice(iterator, ahead, ahead), None)  # drops `ahead` examples
-        self.marks.add(self.start, dataset.state_of(iterator))
+        self.marks.add(self.start, hooks.state_of(iterator))
         return iterator
 
     @property
@@ -167,7 +168,7 @@ class EpochSource:
         iterator, marks = self.iterator, self.marks
         if marks is None:
             return chunked(iterator, first_seq, blocks=blocks)
-        state_of, offset = self.spec.dataset.state_of, self._skip  # seqs count from the skip
+        state_of, offset = restart_hooks(self.spec.dataset).state_of, self._skip  # seqs count from the skip
 
         def mark(seq: int) -> None:
             marks.add(offset + seq, state_of(iterator))
