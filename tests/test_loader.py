@@ -652,3 +652,19 @@ def test_big_endian_leaves_come_in_native_byte_order_with_their_values(output, s
     rows = np.arange(128, dtype=">i4").reshape(64, 2)  # an array source, read natively by index
     batch = next(iter(dataecho.EchoLoader(rows, batch_size=8, echo_factor=1, shuffle=False, output=output)))
     np.testing.assert_array_equal(np.asarray(batch), np.arange(16).reshape(8, 2))
+
+
+def test_an_iterable_that_yields_more_than_its_len_is_warned_of_as_in_dataloader():
+    torch = pytest.importorskip("torch")
+
+    class Longer(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(1000))
+
+        def __len__(self):
+            return 500
+
+    loader = dataecho.EchoLoader(Longer(), batch_size=50, echo_factor=1, seed=0)
+    assert len(loader) == 10
+    with pytest.warns(UserWarning, match=r"len\(loader\) said 10 batches .* but the epoch yielded 20"):
+        assert sum(1 for _ in loader) == 20

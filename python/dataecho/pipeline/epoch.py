@@ -245,6 +245,8 @@ class Epoch:
         if self._stages is not None:
             if self._spec.warn_starved and self._stages.starved():
                 warnings.warn(_STARVED, RuntimeWarning, stacklevel=3)
+            if state == "complete":
+                _warn_if_longer(self._plan, self.taken)
             self._stages.abort()
             self._stages.join(wait)
         self._on_finish(self.counters(), self.worker_counters(), self._left)
@@ -264,3 +266,20 @@ class Epoch:
             except Exception:  # noqa: BLE001 - no state then: a later state_dict() gives the next epoch's start
                 self._left = None
         self._finish(wait=False)
+
+
+def _warn_if_longer(plan: Plan, taken: int) -> None:
+    """An iterable whose ``__len__`` gave ``len(loader)`` yielded more batches
+    than that said: warned, as DataLoader warns of an ``IterableDataset`` that
+    yields more than its length."""
+    dataset = plan.source.dataset
+    if plan.source.order is not None or not hasattr(dataset, "__len__"):
+        return
+    try:
+        said = plan.batches_per_epoch()
+    except TypeError:  # a factor that makes the count random
+        return
+    if taken > said:
+        warnings.warn(f"len(loader) said {said} batches from the iterable's __len__ ({len(dataset)} examples), but "
+                      f"the epoch yielded {taken}: its __len__ is less than what it yields (with several workers "
+                      f"or ranks, each may be iterating the whole of it)", UserWarning, stacklevel=4)
