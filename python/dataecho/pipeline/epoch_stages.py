@@ -141,6 +141,9 @@ class EpochStages:
         # repeats, augment's last short batch) is caught here: what it made is
         # not the epoch's next batch, and the error comes instead.
         if self.chain.failure.error is not None:
+            for stage in self.chain.stages:
+                if isinstance(stage, lockstep.LockstepStage):
+                    stage.leave()  # it counted the dropped batch delivered: the other ranks learn it stopped
             raise StopIteration
         return batch
 

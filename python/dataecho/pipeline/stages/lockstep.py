@@ -257,6 +257,15 @@ class LockstepStage:
             with contextlib.suppress(Exception):  # this rank's own error is the cause to raise
                 self._agreements.wait()
 
+    def leave(self) -> None:
+        """The epoch drops the batch this stage last delivered and ends (a stage
+        thread failed after this stage pulled it): this rank's agreements end as
+        they end on a stop, with STOPPED posted (in the consumer's thread, as
+        every agreement is). Without it the other ranks would wait on this one's
+        next agreement, or read its next epoch's first as this one's."""
+        if not self._over:
+            self._leave()
+
     def _repeat(self) -> Batch:
         """A copy of a recent batch, oldest first, round robin: the loop may
         change a batch in place, and a repeat must not see that."""
