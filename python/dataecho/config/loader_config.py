@@ -226,11 +226,14 @@ def loader_config(*, dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, 
 
 
 def _check_seed(seed: Any, generator: Any, shard: Shard) -> tuple[int, bool]:
-    """(seed, given): the seed, or one drawn from ``generator``, or a random
-    one; 0 with several ranks, which must agree on the epoch's permutation."""
+    """(seed, given): the seed, or one drawn from ``generator``; with neither,
+    0 with several ranks, which must agree on the epoch's permutation (torch's
+    default generator may differ per process), else one drawn from torch's
+    default generator or at random."""
     given = seed is not None
-    seed = dataloader.seed(generator, seed)
-    return _checks.seed(0 if seed is None and shard.world_size > 1 else seed), given
+    if seed is None and generator is None and shard.world_size > 1:
+        return 0, given
+    return _checks.seed(dataloader.seed(generator, seed)), given
 
 
 def _check_persistent(value: Any, workers: int | None) -> bool:
