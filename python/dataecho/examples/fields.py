@@ -66,13 +66,6 @@ class Field:
     dtype: np.dtype
     kind: str = "array"
 
-    def __post_init__(self) -> None:
-        # Rows are copied into batch memory anyway: in native byte order, which
-        # torch and JAX take (big-endian values, from FITS files or network-order
-        # records, are swapped as they are copied).
-        if not self.dtype.isnative:
-            object.__setattr__(self, "dtype", self.dtype.newbyteorder("="))
-
     @property
     def ragged(self) -> bool:
         return self.kind == "ragged"

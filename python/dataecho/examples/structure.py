@@ -112,7 +112,10 @@ class Structure:
         for path, (shape, _) in zip(self.paths, self.specs):
             if 0 in shape:
                 raise ValueError(f"example: leaf {path or 'example'!r} has an empty dimension {shape}")
-        return [Field(path or None, shape, dtype, kind)
+        # Rows are copied into batch memory anyway: in native byte order, which torch and JAX
+        # take (big-endian leaves, from FITS files or network-order records, are swapped as
+        # they are copied). A ShuffleBuffer's declared fields keep the byte order declared.
+        return [Field(path or None, shape, dtype if dtype.isnative else dtype.newbyteorder("="), kind)
                 for path, (shape, dtype), kind in zip(self.paths, self.specs, self.kinds)]
 
     def flatten(self, example: Any) -> list[Any]:
