@@ -179,9 +179,11 @@ def _as_formatted(values: np.ndarray) -> np.ndarray:
     (what ``DataLoader(ds.with_format("torch"))`` yields): integers as int64
     (``input_ids`` stored as int32, an ``attention_mask`` as int8: a loss
     asks for int64 targets), floats as float32; bools, and uint64, which no
-    int64 holds, as they are. A dtype of the user's own is a format option
-    (``with_format("torch", dtype=...)``): the dataset then casts its rows itself."""
-    if values.dtype.kind in "iu" and values.dtype not in (np.int64, np.uint64):
+    int64 holds, as they are. Unlike those formats, uint8 stays uint8: pixels
+    and raw bytes, which would take 8 times the memory and copies as int64.
+    A dtype of the user's own is a format option (``with_format("torch",
+    dtype=...)``): the dataset then casts its rows itself."""
+    if values.dtype.kind in "iu" and values.dtype not in (np.int64, np.uint64, np.uint8):
         return values.astype(np.int64)
     if values.dtype.kind == "f" and values.dtype != np.float32:
         return values.astype(np.float32)
