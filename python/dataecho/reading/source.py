@@ -121,6 +121,8 @@ class EpochSource:
         self.marks = Marks() if spec.marks and spec.order is None else None
         # A state's restart serves only an iterable that can restart (else it is read from its start).
         self._restart = restart if self.marks is not None else None
+        # What says where a restartable iterable stands, and restarts it (the iterable, or an adapter).
+        self._hooks = restart_hooks(spec.dataset) if self.marks is not None else None
         self._order_saved = saved_order is not None
         self._iterator: Iterator[Any] | None = None
         self._iterator_lock = threading.Lock()
@@ -147,8 +149,7 @@ class EpochSource:
         """A restartable iterable's iterator, at position :attr:`start`: restarted
         from the saved state, the examples up to ``skip`` dropped now (so that
         its state is that of its next position), and marked there."""
-        dataset, restart = self.spec.dataset, self._restart
-        hooks = restart_hooks(dataset)
+        dataset, restart, hooks = self.spec.dataset, self._restart, self._hooks
         iterator = iter(dataset) if restart is None else hooks.iter_from(restart.state)
         ahead = self.start - (0 if restart is None else restart.position)
         next(itertools.islice(iterator, ahead, ahead), None)  # drops `ahead` examples
@@ -168,7 +169,7 @@ class EpochSource:
         iterator, marks = self.iterator, self.marks
         if marks is None:
             return chunked(iterator, first_seq, blocks=blocks)
-        state_of, offset = restart_hooks(self.spec.dataset).state_of, self._skip  # seqs count from the skip
+        state_of, offset = self._hooks.state_of, self._skip  # seqs count from the skip
 
         def mark(seq: int) -> None:
             marks.add(offset + seq, state_of(iterator))
