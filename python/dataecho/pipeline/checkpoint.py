@@ -35,6 +35,12 @@ before the earliest position the state names (``next_seq``, or ``skip``, where
 it names none). A resume restarts it there and reads from ``p`` on, instead of
 from its start; ``s`` is whatever the iterable's ``state_of`` returned.
 
+A map-style source read in a sampler's (or batch sampler's) order saves that
+order, under ``stages["intake"]["order"]``, and where a stateful sampler stood
+once it gave it, under ``stages["intake"]["sampler"]`` (dataecho.reading.stateful);
+a stateful map-style dataset's own ``state_dict()`` goes under the state's
+``"dataset"``. These two are kept as their owners gave them.
+
 A batch is named by ``{"rows": positions}``, and after augment also by
 ``"deliveries"`` (each row's delivery number, the key of its generator). A
 stage restores its own batches that were on their way downstream when the
@@ -58,7 +64,7 @@ from ..examples.described import described
 
 __all__ = ["FORMAT", "Iterated", "StateCheck", "array_at", "at", "batches_at", "bool_at", "check_state", "compact",
            "dict_at", "earliest", "history_of", "ids_of", "int_at", "mapping", "named_rows", "plain", "prune",
-           "read_to_named", "with_restart"]
+           "read_to_named", "sampler_at", "with_restart"]
 
 FORMAT = "dataecho.EchoLoader/5"
 
@@ -292,6 +298,16 @@ def int_at(state: dict, key: str, where: str, at_most: int = (1 << 64) - 1) -> i
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not 0 <= value <= at_most:
         raise ValueError(f"{where}[{key!r}]: expected an int in [0, {at_most}], got {value!r}")
     return int(value)
+
+
+def sampler_at(state: dict, where: str) -> dict:
+    """A stateful sampler's state (dataecho.reading.stateful): its own and its
+    iterator's ``state_dict()``, under "sampler" and "iterator", as it gave them."""
+    value = state.get("sampler")
+    if not isinstance(value, dict) or not value or set(value) - {"sampler", "iterator"}:
+        raise ValueError(f"{where}['sampler']: expected a dict of a sampler's and its iterator's state_dict(), "
+                         f"got {value!r:.120}")
+    return value
 
 
 def bool_at(state: dict, key: str, where: str) -> bool:

@@ -34,7 +34,8 @@ def _source_of(plan: Plan, epoch: int, resume: dict[str, Any] | None) -> EpochSo
     saved = (resume or {}).get("intake", {})
     skip = saved.get("skip", 0) if plan.source.order is None else 0
     restart = Mark(**saved["restart"]) if "restart" in saved else None
-    return EpochSource(plan.source, epoch, skip, saved.get("order"), saved.get("bounds"), restart)
+    return EpochSource(plan.source, epoch, skip, saved.get("order"), saved.get("bounds"), restart,
+                       saved.get("sampler"))
 
 
 def _probe_size(plan: Plan) -> int:

@@ -19,6 +19,7 @@ import numpy as np
 
 from .sampled import LazyOrder, batched_order, sampled_order
 from .sharding import Shard
+from .stateful import restored
 
 __all__ = ["LoaderSampler", "OrderSpec", "order_seed"]
 
@@ -66,30 +67,41 @@ class OrderSpec:
             TypeError, IndexError: a sampler that yields something else than
                 indices of the dataset (ValueError: an empty batch).
         """
+        return self.drawn(epoch)[0]
+
+    def drawn(self, epoch: int) -> tuple[np.ndarray | LazyOrder, np.ndarray | None, dict[str, Any] | None]:
+        """``epoch``'s order as :meth:`order` gives it, with where each batch of
+        a batch sampler starts in it (else None) and where a stateful sampler
+        stood once it was read (dataecho.reading.stateful; else None)."""
         length = len(self.dataset)
         if self.batch_sampler is not None:
-            return self.batches()[0]
+            return batched_order(self.batch_sampler, length)
         if self.sampler is None:
-            return self.shard.order(length, self.shuffle, order_seed(self.seed, epoch), self.drop_last)
-        return sampled_order(self.sampler, length)
+            return self.shard.order(length, self.shuffle, order_seed(self.seed, epoch), self.drop_last), None, None
+        order, state = sampled_order(self.sampler, length)
+        return order, None, state
 
-    def batches(self) -> tuple[np.ndarray, np.ndarray]:
-        """The batch sampler's batches for one epoch, read now, as (order, bounds):
-        see dataecho.reading.sampled.batched_order.
-
-        Raises:
-            TypeError, IndexError, ValueError: a batch that is not a non-empty
-                list of indices of the dataset.
-        """
-        return batched_order(self.batch_sampler, len(self.dataset))
-
-    def resumed(self, saved: np.ndarray) -> np.ndarray | LazyOrder:
+    def resumed(self, saved: np.ndarray, state: dict[str, Any] | None = None) -> np.ndarray | LazyOrder:
         """A sampler's order of an epoch resumed from a state, which saved the
         indices it had read (all of them, for a sampler with a length): a
         sampler that draws a new order each time (``RandomSampler``) is not
         asked again for the positions the state names. A sampler without a
         length goes on from where the saved indices end; a batch sampler's
-        order was saved whole."""
+        order was saved whole.
+
+        A stateful sampler's ``state`` (dataecho.reading.stateful) is restored
+        first: one with a length (or a batch sampler) is then asked once for an
+        index beyond its epoch's (as StatefulDataLoader would go on reading it),
+        so that it stands where it stood after giving them; one without a
+        length goes on from its restored iterator.
+        """
+        decider = self.batch_sampler if self.batch_sampler is not None else self.sampler
+        if decider is not None and state is not None:
+            iterator = restored(decider, state)
+            if self.batch_sampler is not None or hasattr(self.sampler, "__len__"):
+                next(iterator, None)
+                return saved
+            return LazyOrder(iterator, len(self.dataset), saved, sampler=self.sampler)
         if self.sampler is None or self.batch_sampler is not None or hasattr(self.sampler, "__len__"):
             # Whole (without a sampler: one spread over another world size, dataecho.pipeline.progress.elastic).
             return saved

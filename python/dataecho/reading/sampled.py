@@ -12,6 +12,9 @@ naming ``sampler``; nothing is coerced.
 A ``batch_sampler``'s batches (lists of indices) are read whole at the
 epoch's start (:func:`batched_order`): one flat order and where each batch
 starts in it, checked the same way, the errors naming ``batch_sampler``.
+
+Each also says where a stateful sampler stood once its indices were read
+(dataecho.reading.stateful), for a state to save beside the order.
 """
 
 from __future__ import annotations
@@ -24,29 +27,34 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from .stateful import sampler_state
+
 __all__ = ["LazyOrder", "batched_order", "checked_indices", "sampled_order"]
 
 _BLOCK = 1024  # indices read from a lazy sampler at a time
 
 
-def sampled_order(sampler: Any, length: int) -> np.ndarray | LazyOrder:
+def sampled_order(sampler: Any, length: int) -> tuple[np.ndarray | LazyOrder, dict[str, Any] | None]:
     """The indices ``sampler`` yields for one epoch, checked against a dataset
-    of ``length`` examples: all of them where it has a length, else lazily."""
+    of ``length`` examples: all of them where it has a length, else lazily;
+    and where a stateful sampler stood once they were read (a LazyOrder says
+    it as it is saved: :meth:`LazyOrder.saved`)."""
+    iterator = iter(sampler)
     if not hasattr(sampler, "__len__"):
-        return LazyOrder(iter(sampler), length)
-    count = len(sampler)
-    order = checked_indices(itertools.islice(iter(sampler), count), length)
-    return order
+        return LazyOrder(iterator, length, sampler=sampler), None
+    order = checked_indices(itertools.islice(iterator, len(sampler)), length)
+    return order, sampler_state(sampler, iterator)
 
 
-def batched_order(batch_sampler: Any, length: int) -> tuple[np.ndarray, np.ndarray]:
+def batched_order(batch_sampler: Any, length: int) -> tuple[np.ndarray, np.ndarray, dict[str, Any] | None]:
     """The batches ``batch_sampler`` yields for one epoch, read once (its first
     ``len(batch_sampler)`` where it has a length, else to its end), checked
     against a dataset of ``length`` examples.
 
     Returns:
-        (order, bounds): every batch's indices one after another, and where
-        each batch starts: batch ``i`` is ``order[bounds[i]:bounds[i + 1]]``.
+        (order, bounds, state): every batch's indices one after another, where
+        each batch starts (batch ``i`` is ``order[bounds[i]:bounds[i + 1]]``),
+        and where a stateful batch sampler stood once they were read.
 
     Raises:
         TypeError: a batch that is not an iterable of indices, or an item that
@@ -54,9 +62,8 @@ def batched_order(batch_sampler: Any, length: int) -> tuple[np.ndarray, np.ndarr
         IndexError: an index outside the dataset.
         ValueError: an empty batch.
     """
-    batches = iter(batch_sampler)
-    if hasattr(batch_sampler, "__len__"):
-        batches = itertools.islice(batches, len(batch_sampler))
+    iterator = iter(batch_sampler)
+    batches = itertools.islice(iterator, len(batch_sampler)) if hasattr(batch_sampler, "__len__") else iterator
     parts, bounds = [], [0]
     for number, batch in enumerate(batches):
         if isinstance(batch, (str, bytes)) or not isinstance(batch, Iterable):
@@ -69,7 +76,7 @@ def batched_order(batch_sampler: Any, length: int) -> tuple[np.ndarray, np.ndarr
         parts.append(indices)
         bounds.append(bounds[-1] + len(indices))
     order = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    return order, np.asarray(bounds, dtype=np.int64)
+    return order, np.asarray(bounds, dtype=np.int64), sampler_state(batch_sampler, iterator)
 
 
 def checked_indices(items: Iterator[Any], length: int, limit: int = -1, name: str = "sampler") -> np.ndarray:
@@ -111,10 +118,13 @@ class LazyOrder:
         iterator: the sampler's iterator for this epoch.
         length: the dataset's length (indices are checked against it).
         prefix: indices already known for the first positions (a resume), or None.
+        sampler: the sampler, where its state is saved with the indices read
+            (:meth:`saved`); None where ``iterator`` is not its own.
     """
 
-    def __init__(self, iterator: Iterator[Any], length: int, prefix: np.ndarray | None = None) -> None:
-        self._iterator, self._length = iterator, length
+    def __init__(self, iterator: Iterator[Any], length: int, prefix: np.ndarray | None = None,
+                 sampler: Any = None) -> None:
+        self._iterator, self._length, self._sampler = iterator, length, sampler
         self._values = np.zeros(_BLOCK, dtype=np.int64) if prefix is None else np.array(prefix, dtype=np.int64)
         self._count = 0 if prefix is None else len(prefix)
         self._ended = False
@@ -124,6 +134,13 @@ class LazyOrder:
     def read(self) -> np.ndarray:
         """The indices read so far (a view)."""
         return self._values[:self._count]
+
+    def saved(self) -> tuple[np.ndarray, dict[str, Any] | None]:
+        """The indices read so far (a copy), and where a stateful sampler stood
+        after them: the two taken at once, as the workers go on reading."""
+        with self._lock:
+            state = None if self._sampler is None else sampler_state(self._sampler, self._iterator)
+            return self.read.copy(), state
 
     def available(self, count: int) -> int:
         """Reads up to ``count`` positions; how many there are (fewer at the end)."""

@@ -94,6 +94,8 @@ class EpochSource:
         restart: a restartable iterable's state at a position at or before
             where reading resumes (a resume), or None: it is restarted there
             rather than iterated from its start.
+        sampler_state: with ``saved_order``, where a stateful sampler stood
+            once it gave it (dataecho.reading.stateful), or None.
 
     Attributes:
         order: map-style: the dataset index at each position this rank reads;
@@ -110,7 +112,8 @@ class EpochSource:
     """
 
     def __init__(self, spec: SourceSpec, epoch: int, skip: int = 0, saved_order: np.ndarray | None = None,
-                 saved_bounds: np.ndarray | None = None, restart: Mark | None = None) -> None:
+                 saved_bounds: np.ndarray | None = None, restart: Mark | None = None,
+                 sampler_state: dict[str, Any] | None = None) -> None:
         self.spec = spec
         self.epoch = epoch
         self.transform, self.chunk = spec.transform, spec.chunk
@@ -126,13 +129,14 @@ class EpochSource:
         self._order_saved = saved_order is not None
         self._iterator: Iterator[Any] | None = None
         self._iterator_lock = threading.Lock()
+        self._sampler_state = sampler_state
         if spec.order is not None:
-            # The same permutation on every rank (seeded by seed and epoch alone),
-            # of which this rank reads its shard.
-            if spec.order.batch_sampler is not None:  # read whole now: its batches are the epoch's
-                self.order, self.bounds = spec.order.batches() if saved_order is None else (saved_order, saved_bounds)
+            # The same permutation on every rank (seeded by seed and epoch alone), of which this
+            # rank reads its shard; or a sampler's order (a batch sampler's, read whole now).
+            if saved_order is None:
+                self.order, self.bounds, self._sampler_state = spec.order.drawn(epoch)
             else:
-                self.order = spec.order.order(epoch) if saved_order is None else spec.order.resumed(saved_order)
+                self.order, self.bounds = spec.order.resumed(saved_order, sampler_state), saved_bounds
             self.reader = map_reader(spec.dataset, spec.transform, self.order)
 
     @property
@@ -197,6 +201,14 @@ class EpochSource:
         """The order is a sampler's (or a batch sampler's), or came from a state
         (spread over another world size): a state saves it (see OrderSpec.resumed)."""
         return self.spec.order is not None and (self.spec.order.sampled or self._order_saved)
+
+    def saved_order(self) -> tuple[np.ndarray, dict[str, Any] | None]:
+        """Map-style: the order as a state saves it (a lazy one's indices read
+        so far), and where a stateful sampler stood once it gave them, or None
+        (dataecho.reading.stateful)."""
+        if isinstance(self.order, LazyOrder):
+            return self.order.saved()
+        return self.order, self._sampler_state
 
     def available(self, count: int) -> int:
         """Map-style: how many of the first ``count`` positions exist."""

@@ -13,7 +13,9 @@ Rules, as torchdata's ``StatefulDataLoader`` keeps them:
   where it can be worked out, else epoch ``n`` from its start, with a warning;
 - after an error mid-epoch, the state is where the last batch delivered left
   the epoch (worked out from the history), not the epoch's start: an
-  emergency checkpoint repeats nothing already trained on.
+  emergency checkpoint repeats nothing already trained on;
+- a stateful map-style dataset's own ``state_dict()`` is kept under
+  "dataset", taken as the state is, and loaded as a state is.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable
 
+from ...reading.stateful import is_stateful, state_of
 from ..checkpoint import FORMAT, plain
 from ..plan import Planner
 from .replay import resumed_length
@@ -46,7 +49,9 @@ class LoaderPosition:
         running: the checked state the epoch started last resumed, or None.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, dataset: Any = None) -> None:
+        # A map-style dataset, whose own state a state keeps where it is stateful (dataecho.reading.stateful).
+        self._dataset = dataset if is_stateful(dataset) else None
         self.pending: dict[str, Any] | None = None
         self.raw: Any = None  # the pending state as given to load_state_dict
         self.running: dict[str, Any] | None = None  # the checked state the running epoch resumed, or None
@@ -56,8 +61,12 @@ class LoaderPosition:
 
     def load(self, checked: dict[str, Any], raw: Any) -> None:
         """A state was loaded: ``checked`` for this rank, from ``raw`` as given
-        (kept, to be loaded again should the job's part change before the epoch starts)."""
+        (kept, to be loaded again should the job's part change before the epoch starts).
+        A stateful dataset's state in it is loaded now, before any worker starts
+        from the dataset."""
         self.pending, self.raw, self._left = checked, raw, None
+        if self._dataset is not None and checked.get("dataset") is not None:
+            self._dataset.load_state_dict(checked["dataset"])
 
     def epoch_length(self, planner: Planner, running: bool) -> int:
         """``len(loader)``: the next epoch's batches (the running one's if
@@ -145,7 +154,10 @@ class LoaderPosition:
             state = envelope(current.epoch if current is not None else next_epoch, None, [])
         if state["stages"] is not None and _spent(state, length(state["epoch"], state["history"])):
             state = envelope(state["epoch"] + 1, None, [])
-        return plain({key: value for key, value in state.items() if key != "length"})
+        out = plain({key: value for key, value in state.items() if key not in ("length", "dataset")})
+        if self._dataset is not None:  # as it stands now, as the dataset gives it
+            out["dataset"] = state_of(self._dataset)
+        return out
 
     def length(self, planner: Planner, epoch: int, history: list[list[int]]) -> int:
         """Batches of ``epoch`` on this rank in all, across its ``history`` (an

@@ -28,7 +28,8 @@ __all__ = ["for_epoch", "resumed"]
 def resumed(planner: Planner, state: Any) -> tuple[Planner, dict[str, Any]]:
     """(planner, checked state) that resume ``state``: a loader that drew its
     own seed (none given) takes the state's, so that a job restarted with the
-    same arguments resumes as StatefulDataLoader does.
+    same arguments resumes as StatefulDataLoader does. The checked state's
+    "dataset" is the chosen state's dataset state, or None.
 
     Args:
         planner: the loader's, on the part of the job it runs now.
@@ -42,13 +43,14 @@ def resumed(planner: Planner, state: Any) -> tuple[Planner, dict[str, Any]]:
     """
     if isinstance(state, (list, tuple)):
         state = _one_of(list(state), planner)
+    own = state.get("dataset") if isinstance(state, dict) else None  # a stateful dataset's (dataecho.reading.stateful)
     saved = state.get("config") if isinstance(state, dict) else None
     if not planner.seed_given and isinstance(saved, dict) and saved.get("seed") not in (None, planner.seed):
         planner = planner.with_seed(saved["seed"])
     length = None  # the epoch's batches on this rank, where working out its position told them
     if isinstance(saved, dict) and (saved.get("rank"), saved.get("world_size")) != _place(planner):
         state, length = _for_this_rank(state, planner)
-    checked = {**_checked(state, planner), "length": length}
+    checked = {**_checked(state, planner), "length": length, "dataset": own}
     if planner.plan.checkpoint == "skip" and checked["stages"] is not None:
         warnings.warn(
             f"load_state_dict: this loader reads an iterable in no fixed order (deterministic=False, or a Ray "

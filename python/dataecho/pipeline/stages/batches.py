@@ -112,12 +112,16 @@ class BatchesIntake:
         if self.unresumable is not None:
             return None
         handed, ready = self._readers.pending()
-        return {
+        order, sampler = self._source.saved_order()
+        state = {
             "next_batch": handed + len(ready),
             "queued": self._replay.saved() + [batch.ids() for batch in ready],
-            "order": checkpoint.compact(self._source.order),
+            "order": checkpoint.compact(order),
             "bounds": checkpoint.compact(self._source.bounds),
         }
+        if sampler is not None:
+            state["sampler"] = sampler
+        return state
 
     def counters(self) -> dict[str, Any]:
         workers = self._readers.counters()
@@ -170,5 +174,8 @@ def check_state(spec: BatchesSpec, state: dict, order: np.ndarray, where: str) -
     for i, ids in enumerate(queued):
         if not len(ids["rows"]):
             raise ValueError(f"{where}['queued'][{i}]['rows']: an empty batch")
-    return {"next_batch": checkpoint.int_at(state, "next_batch", where, batches), "queued": queued,
-            "order": checkpoint.array_at(state, "order", np.int64, where), "bounds": bounds}
+    checked = {"next_batch": checkpoint.int_at(state, "next_batch", where, batches), "queued": queued,
+               "order": checkpoint.array_at(state, "order", np.int64, where), "bounds": bounds}
+    if "sampler" in state:
+        checked["sampler"] = checkpoint.sampler_at(state, where)
+    return checked

@@ -256,8 +256,11 @@ class IntakeStage:
         positions = snap.seqs
         # An iterable's examples are named by their position in the iteration alone.
         order = self._source.order if self._map_style else checkpoint.Iterated(int(snap.next_seq))
-        if self._source.sampled:  # a sampler may not give this order again: it is saved
-            state["order"] = checkpoint.compact(order if isinstance(order, np.ndarray) else order.read)
+        if self._source.sampled:  # a sampler may not give this order again: it is saved (and its own state)
+            saved, sampler = self._source.saved_order()
+            state["order"] = checkpoint.compact(saved)
+            if sampler is not None:
+                state["sampler"] = sampler
         state.update(
             positions=positions,
             indices=np.asarray(order[positions.astype(np.int64)], dtype=np.int64),
@@ -321,4 +324,6 @@ def check_state(spec: IntakeSpec, state: dict, order: np.ndarray, where: str) ->
     checked.update(positions=positions, echoes=echoes, indices=indices, queued=queued)
     if "order" in state:
         checked["order"] = checkpoint.array_at(state, "order", np.int64, where)
+    if "sampler" in state:
+        checked["sampler"] = checkpoint.sampler_at(state, where)
     return checked
