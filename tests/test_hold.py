@@ -306,8 +306,9 @@ def test_loader_over_an_array_gathers_from_it_and_leaves_it_as_it_was(seed):
 @pytest.mark.parametrize("nbytes", [32768, 40001, 153600])
 @pytest.mark.parametrize("hold", [True, False])
 def test_rows_streamed_into_batches_arrive_whole(seed, nbytes, hold):
-    # Rows of 32 KiB or more are written into batches with streaming stores,
-    # whatever their alignment (40001: every row starts at another offset).
+    # Rows of 32 KiB or more are written into slots (when copied) and into
+    # batches with streaming stores, whatever their alignment (40001: every row
+    # starts at another offset), put stacked or one by one.
     def rows(ids):
         ids = np.asarray(ids, dtype=np.int64)
         return ((ids[:, None] * 131 + np.arange(nbytes)[None, :] * 7 + 3) % 211).astype(np.uint8)
@@ -316,8 +317,10 @@ def test_rows_streamed_into_batches_arrive_whole(seed, nbytes, hold):
                                  echo_factor=2, seed=seed, hold=hold)
     ids = np.arange(24)
     source = rows(ids)
-    for start in range(0, 24, 6):
+    for start in range(0, 12, 6):
         buf.put_many({"id": ids[start:start + 6], "x": source[start:start + 6]})
+    for i in range(12, 24):
+        buf.put({"id": ids[i], "x": source[i].copy()})
     buf.close()
     seen = Counter()
     for batch in buf:

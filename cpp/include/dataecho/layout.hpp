@@ -99,6 +99,14 @@ class ExampleLayout {
   std::size_t slot_offset(std::size_t f) const noexcept { return slot_offsets_[f]; }
   std::size_t batch_offset(std::size_t f) const noexcept { return batch_offsets_[f]; }
   std::size_t example_bytes() const noexcept { return example_bytes_; }
+  // Whether scatter() may write with streaming stores (a fixed field of
+  // kStreamFrom bytes or more): stream_fence() must then run before the slot
+  // is published.
+  bool streams() const noexcept {
+    for (std::size_t f = 0; f < field_bytes_.size(); ++f)
+      if (!ragged_[f] && field_bytes_[f] >= kStreamFrom) return true;
+    return false;
+  }
   std::size_t slot_stride() const noexcept { return slot_stride_; }
   std::size_t slot_align() const noexcept { return alignment_for(example_bytes_); }
   std::size_t batch_size() const noexcept { return batch_size_; }
@@ -149,7 +157,13 @@ class ExampleLayout {
       refs[h] = HeldRef{owner != 0 ? static_cast<const std::byte*>(from) : nullptr, owner};
       if (owner != 0) return;
     }
-    std::memcpy(slot + slot_offsets_[f], from, field_bytes_[f]);
+    // A large value is read next by the assembler, on another core and long
+    // after it has left this one's cache: streamed, as gather() streams (the
+    // producer fences before it commits the slot: see streams()).
+    if (field_bytes_[f] >= kStreamFrom)
+      stream_copy(slot + slot_offsets_[f], static_cast<const std::byte*>(from), field_bytes_[f]);
+    else
+      std::memcpy(slot + slot_offsets_[f], from, field_bytes_[f]);
   }
 
   std::vector<std::size_t> field_bytes_;

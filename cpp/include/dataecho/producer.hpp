@@ -133,6 +133,7 @@ class Producer {
     RegionHeader& h = *region_.header;
     const std::size_t ragged = layout_.ragged_fields().size();
     const std::size_t holdable = layout_.holdable_fields().size();
+    const bool streams = layout_.streams();
     DATAECHO_CHECK(ragged == 0 || lengths != nullptr);
     DATAECHO_CHECK(owners == nullptr || region_.held != nullptr);  // private regions only
     h.in_flight.fetch_add(1, std::memory_order_seq_cst);  // (I1)
@@ -171,6 +172,9 @@ class Producer {
         layout_.scatter_row(fields, done, dst, region_.refs(slot), held);
       else
         layout_.scatter(example, dst, region_.refs(slot), held);
+      // Streaming stores are weakly ordered: fenced here, so that the push's
+      // release orders them before the assembler's reads (stream_copy.hpp).
+      if (streams) stream_fence();
       region_.slot_seq[slot] = seq;  // published with the slot by the push below
       // Counted before its commit: whoever has a batch holding the example
       // (commit -> assembler -> ready queue -> consumer, each step ordering the
