@@ -37,6 +37,22 @@ def machine(**versions: str | None) -> dict[str, Any]:
     return info
 
 
+MEMCPY_BYTES = 256 << 20
+
+
+def memcpy_gb_s(seconds: float) -> float:
+    """One thread's ``np.copyto`` of a 256 MiB buffer (far larger than any
+    cache): GB/s copied, the machine's one-thread copy bandwidth."""
+    a = np.ones(MEMCPY_BYTES, dtype=np.uint8)
+    b = np.empty_like(a)
+    np.copyto(b, a)  # first touch
+    copies, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < seconds or copies < 2:
+        np.copyto(b, a)
+        copies += 1
+    return copies * MEMCPY_BYTES / elapsed / 1e9
+
+
 def print_header(info: dict[str, Any], reading: str) -> None:
     """Prints the machine line of `info` (from ``machine``), then how to read the
     figures below it, e.g. "delivered examples/s; higher is better"."""

@@ -98,7 +98,6 @@ except ImportError:
     torch_data = None
     _IterableDataset = object
 
-MEMCPY_BYTES = 256 << 20
 DATAECHO = "dataecho ShuffleBuffer"
 DATAECHO_COPY = "dataecho, hold=False (copying)"
 BASELINE = "hand-written queue + list"
@@ -228,14 +227,7 @@ def run_tfdata(case: Case, echo: float, src: np.ndarray, seconds: float) -> dict
 
 def run_memcpy(seconds: float) -> dict:
     """One-thread ``np.copyto`` of a 256 MiB buffer; ``gb_s`` counts bytes copied."""
-    a = np.ones(MEMCPY_BYTES, dtype=np.uint8)
-    b = np.empty_like(a)
-    np.copyto(b, a)  # first touch
-    copies, t0 = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - t0) < seconds or copies < 2:
-        np.copyto(b, a)
-        copies += 1
-    return {"gb_s": copies * MEMCPY_BYTES / elapsed / 1e9}
+    return {"gb_s": common.memcpy_gb_s(seconds)}
 
 
 def _try_import(name: str) -> tuple[str | None, str | None]:

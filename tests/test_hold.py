@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import sys
 import threading
+import weakref
 from collections import Counter
 
 import numpy as np
@@ -327,3 +328,76 @@ def test_rows_streamed_into_batches_arrive_whole(seed, nbytes, hold):
         assert np.array_equal(batch["x"], rows(batch["id"]))
         seen.update(batch["id"].tolist())
     assert seen == Counter({i: 2 for i in range(24)})
+
+
+# ---- what a dataset returns, held by EchoLoader where nothing else holds it ----
+
+ROW = 40_000  # bytes per example: at least FRESH_MIN_BYTES
+
+
+def row_of(i: int) -> np.ndarray:
+    """Bytes derived from the id and the byte position, the id in the first eight."""
+    row = ((np.arange(ROW) * 7 + i * 131 + 3) % 211).astype(np.uint8)
+    row[:8] = np.array([i], dtype="<i8").view(np.uint8)
+    return row
+
+
+class Returned:
+    """A map-style dataset that notes (weakly) every array its ``__getitem__``
+    returned, and whether any of them was read-only, as a buffer holding it
+    makes it, when it returned the next; ``form`` says what it returns."""
+
+    def __init__(self, n: int, form: str) -> None:
+        self.n, self.form, self.refs, self.seen_held = n, form, [], False
+        self.kept = [row_of(i) for i in range(n)] if form == "kept" else None
+        self.block = np.stack([row_of(i) for i in range(n)]) if form == "view" else None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        self.seen_held = self.seen_held or any(not r().flags.writeable for r in self.refs[-64:] if r() is not None)
+        if self.form == "kept":
+            row = self.kept[i]
+        elif self.form == "view":
+            row = self.block[i]
+        else:
+            row = row_of(i)  # a new array: fresh
+        self.refs.append(weakref.ref(row) if self.form != "view" else weakref.ref(self.block))
+        example = {"id": i, "x": row} if self.form in ("dict", "kept", "view") else (i, row) if self.form == "tuple" \
+            else row
+        return example
+
+
+def test_fresh_arrays_from_the_dataset_are_held_until_batched_then_let_go():
+    for form in ("dict", "tuple", "bare"):
+        dataset = Returned(600, form)
+        loader = dataecho.EchoLoader(dataset, batch_size=32, echo_factor=2, shuffle_buffer=256, num_workers=1, seed=1)
+        rows = Counter()
+        for batch in loader:
+            x = np.asarray(batch["x"] if form == "dict" else batch[1] if form == "tuple" else batch)
+            for row in x:
+                i = int(row[:8].copy().view("<i8")[0])
+                assert np.array_equal(row, row_of(i)), "every row is one example's bytes, whole"
+                rows[i] += 1
+        assert rows == Counter({i: 2 for i in range(600)}), form
+        assert dataset.seen_held, f"{form}: a new array the dataset returned was held (read-only while held)"
+        loader.close()
+        del batch, x
+        gc.collect()
+        assert all(r() is None for r in dataset.refs), f"{form}: every held array is let go"
+
+
+@pytest.mark.parametrize("form", ["kept", "view"])
+def test_arrays_the_dataset_keeps_or_views_are_copied_never_held(form):
+    dataset = Returned(300, form)
+    loader = dataecho.EchoLoader(dataset, batch_size=32, echo_factor=2, shuffle_buffer=128, num_workers=1, seed=1)
+    seen = Counter()
+    for batch in loader:
+        for i, row in zip(batch["id"].tolist(), np.asarray(batch["x"])):
+            assert np.array_equal(row, row_of(i))
+            seen[i] += 1
+    assert seen == Counter({i: 2 for i in range(300)})
+    assert not dataset.seen_held, "what the dataset keeps is never made read-only: it is copied"
+    if form == "kept":
+        assert all(row.flags.writeable for row in dataset.kept)

@@ -4,6 +4,7 @@ goes into the buffer with one native call."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,36 @@ from .blocks import RowBlock
 from .fields import Field, to_field_array
 from .structure import Structure
 
-__all__ = ["Columns", "ragged_hint"]
+__all__ = ["FRESH_MIN_BYTES", "Columns", "Fresh", "ragged_hint"]
+
+# Leaves of at least this many bytes per example are marked fresh where they are (see Fresh): below it, holding
+# one costs about what the copy it saves does (bench/bench_loaders.py: 12 KiB rows no faster held).
+FRESH_MIN_BYTES = 32 << 10
+
+
+class Fresh(list):
+    """A column of one leaf's values (a list, as ``put_each`` takes it) that
+    says which of them are *fresh*: NumPy arrays that own their memory and
+    that nothing but their example holds, such as the new array a
+    ``__getitem__`` returns. Nobody else can see or change a fresh array, so a
+    buffer may hold it by reference instead of copying it into a slot
+    (dataecho.native.hold); an array the dataset keeps (its own list of
+    arrays, a cache) or views is not fresh, and is copied.
+
+    Attributes:
+        fresh: per value, whether it is fresh.
+    """
+
+    __slots__ = ("fresh",)
+
+
+def _ref_counts(values: list) -> list[int]:
+    return [sys.getrefcount(v) for v in values]
+
+
+# What _ref_counts says of an array that only its list holds: calibrated on this interpreter, whose
+# reference counting of arguments and loop variables may differ from another's.
+_ALONE = _ref_counts([np.empty(1)])[0]
 
 class Columns:
     """Converts a list of examples to the native columns of a buffer: one per
@@ -34,6 +64,10 @@ class Columns:
         self.structure, self.fields, self._codec, self._where = structure, fields, codec, where
         self._decls = [f.decl() if f.kind != "object" else None for f in fields]
         self._objects = [i for i, f in enumerate(fields) if f.kind == "object"]
+        self._large = {i for i, f in enumerate(fields) if f.kind == "array" and f.nbytes >= FRESH_MIN_BYTES}
+        # A fresh leaf's holders: its column, and its example's container (for one-leaf examples, the
+        # list of examples is the column: Structure.columns).
+        self._alone = _ALONE + (0 if structure.single else 1)
 
     def of(self, examples: list | RowBlock) -> list:
         """The columns of a list of examples, or of a block of rows held as
@@ -81,10 +115,17 @@ class Columns:
             return values
         exact = _core.exact_rows(values, self._decls[leaf])
         if exact == len(values):
-            return values
+            return self._marked(values) if leaf in self._large else values
         if exact == 0 and field.kind == "array" and (stacked := _scalars(values, field)) is not None:
             return stacked
         return values[:exact] + [self.converted(v, leaf) for v in values[exact:]]
+
+    def _marked(self, values: list) -> Fresh:
+        """``values`` as a :class:`Fresh` column: counted before the new list holds them too."""
+        counts = _ref_counts(values)
+        column = Fresh(values)
+        column.fresh = [n == self._alone and type(v) is np.ndarray and v.base is None for v, n in zip(values, counts)]
+        return column
 
     def converted(self, value: Any, leaf: int) -> np.ndarray:
         """One leaf's value converted to its field, as a put converts it; a leaf

@@ -12,12 +12,15 @@ this policy decides, for each put:
   shared with worker processes holds nothing: pointers mean nothing there.
 * Which values, by mode:
 
-  - ``"sources"`` (EchoLoader's): only rows of an in-memory source array given
-    as (array, indices); the batch is gathered straight from the source, which
-    is never changed. What a dataset returns is copied into slots, which the
-    loader keeps from one epoch to the next (held, each epoch's arrays would be
-    freed at its end and the next epoch's faulted in anew: 0.75x at 150 KiB).
-    Memory-mapped sources are copied (but with ``True``).
+  - ``"sources"`` (EchoLoader's): rows of an in-memory source array given as
+    (array, indices), whose batches are gathered straight from the source,
+    which is never changed; and the *fresh* values of a dataset's examples of
+    ``FRESH_MIN_BYTES`` or more (dataecho.examples.columns.Fresh: arrays that
+    own their memory and that nothing else holds, such as what a
+    ``__getitem__`` returns new), copied once, into their batch: a dataset of
+    150 KiB examples 1.6x, of 1 MiB 2x (bench/bench_loaders.py). What a dataset
+    keeps or views is copied into slots. Memory-mapped sources are copied
+    (but with ``True``).
   - ``"auto"`` (ShuffleBuffer's): also the arrays of one example each that
     ``put`` hands over (and list columns of ``put_each``); stacked arrays are
     copied, so that no stacked array stays alive for the sake of one row.
@@ -42,6 +45,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
+from ..examples.columns import Fresh
 
 __all__ = ["HOLD_MIN_BYTES", "HoldPolicy", "holds_little_more"]
 
@@ -109,6 +114,8 @@ class HoldPolicy:
             column = columns[f]
             if isinstance(column, tuple):  # (source array, indices): the source is never changed
                 decided.append(self.mode is True or not isinstance(column[0], np.memmap))
+            elif isinstance(column, Fresh) and self.mode == "sources":  # what nobody else holds or sees
+                decided.append(column.fresh)
             elif isinstance(column, list):
                 decided.append([self.mode != "sources" and holds_little_more(v) for v in column])
             else:  # stacked rows
