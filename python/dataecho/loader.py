@@ -174,8 +174,7 @@ class EchoLoader:
         self._planner = Planner(self.config)  # the plan of its epochs, on its part of the job
         self._structure: Structure | None = None
         self._numbers = EpochNumbers()
-        # For checkpoints: a loaded state, where an epoch left, a stateful map-style dataset's own state.
-        self._position = LoaderPosition(self._planner.plan.source.order is not None and self.dataset)
+        self._position = LoaderPosition(self._planner.plan.source)  # checkpoints: a loaded state, where an epoch left
         # Weakly: an epoch nobody iterates any more is collected, and stops.
         self._current_ref: Callable[[], Epoch | None] = lambda: None
         self._totals = Totals()

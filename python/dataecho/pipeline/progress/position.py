@@ -49,8 +49,9 @@ class LoaderPosition:
         running: the checked state the epoch started last resumed, or None.
     """
 
-    def __init__(self, dataset: Any = None) -> None:
-        # A map-style dataset, whose own state a state keeps where it is stateful (dataecho.reading.stateful).
+    def __init__(self, source: Any = None) -> None:
+        # A map-style source's dataset, whose own state a state keeps where it is stateful (dataecho.reading.stateful).
+        dataset = source.dataset if source is not None and source.order is not None else None
         self._dataset = dataset if is_stateful(dataset) else None
         self.pending: dict[str, Any] | None = None
         self.raw: Any = None  # the pending state as given to load_state_dict
