@@ -99,6 +99,53 @@ class PyBuffer {
     return {status_object(status), done};
   }
 
+  // Write-into: rows [done, rows), row i numbered first_seq + i, each written
+  // by `write(i, views)` straight into its slot: `views`, one writable array
+  // per field over the slot's memory (fixed fields only; none held). A
+  // write that keeps a view (or anything made from one) past its return would
+  // see the slot's memory change once the slot is reused: the row is then
+  // not committed, its slot never reused, and a ValueError says so (the views'
+  // base keeps this buffer alive). Waits without the GIL; writes with it.
+  std::pair<py::object, std::size_t> put_into(std::size_t n, std::uint64_t first_seq, py::function write,
+                                              std::optional<double> timeout_s, std::size_t done) {
+    ShuffleBuffer& core = live();
+    if (ragged_count(specs_) != 0) throw py::value_error("put_into: fixed fields only");
+    Producer& producer = core.producer();
+    const ExampleLayout& layout = core.layout();
+    py::object owner = py::cast(this, py::return_value_policy::reference);
+    producer.begin();
+    struct End {
+      Producer& p;
+      ~End() { p.end(); }
+    } end{producer};
+    Status status = Status::kOk;
+    while (done < n) {
+      const std::uint64_t seq = first_seq + done;
+      std::uint32_t slot = 0;
+      status = call_blocking([&](Deadline d) { return producer.reserve(seq, slot, d); }, timeout_s);
+      if (status != Status::kOk) break;
+      std::byte* data = producer.slot_data(slot);
+      py::list views(specs_.size());
+      for (std::size_t f = 0; f < specs_.size(); ++f)
+        views[f] = py::array(specs_[f].dtype, specs_[f].shape, data + layout.slot_offset(f), owner);
+      try {
+        write(done, views);
+      } catch (...) {
+        producer.cancel(slot);
+        throw;
+      }
+      for (std::size_t f = 0; f < specs_.size(); ++f) {
+        // Ours alone (the list's reference): nothing the write made from the view outlives it.
+        if (Py_REFCNT(PyList_GET_ITEM(views.ptr(), static_cast<py::ssize_t>(f))) != 1)
+          throw py::value_error("read_into: kept its out array (or a view of it) after it returned; "
+                                "it must write out's values and keep no reference to out");
+      }
+      producer.commit(slot, seq);
+      ++done;
+    }
+    return {status_object(status), done};
+  }
+
   // Returns (status, arrays): one array per field, each a view of the batch's
   // memory whose base owns the lease on it.
   std::pair<py::object, py::object> next(std::optional<double> timeout_s) {
@@ -363,6 +410,8 @@ void register_buffer(py::module_& m) {
       .def("stats", [](const PyBuffer& b) { return b.core().stats(); })
       .def("put_each", &PyBuffer::put_each, py::arg("columns"), py::arg("rows"), py::arg("timeout_s"),
            py::arg("first_seq") = 0, py::arg("done") = 0, py::arg("hold") = py::none())
+      .def("put_into", &PyBuffer::put_into, py::arg("rows"), py::arg("first_seq"), py::arg("write"),
+           py::arg("timeout_s"), py::arg("done") = 0)
       .def_property_readonly("held_values", [](const PyBuffer& b) { return b.holdings().values(); })
       .def_property_readonly("held_owners", [](const PyBuffer& b) { return b.holdings().owners(); })
       .def_property_readonly("holdable_fields",

@@ -1,6 +1,6 @@
 # Hand-written stubs for the compiled module dataecho._core (private API).
 import enum
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -126,6 +126,10 @@ class Buffer:
     def put_each(
         self, columns: list[Column], rows: int, timeout_s: float | None, first_seq: int = 0, done: int = 0,
         hold: Hold = None,
+    ) -> tuple[Status, int]: ...
+    def put_into(
+        self, rows: int, first_seq: int, write: Callable[[int, list[np.ndarray]], None], timeout_s: float | None,
+        done: int = 0,
     ) -> tuple[Status, int]: ...
     @property
     def held_values(self) -> int: ...

@@ -72,6 +72,50 @@ class Producer {
     return put_rows(rows, lengths, n, done, deadline, Rows::kEach, first_seq, owners);
   }
 
+  // Write-into: the caller writes an example's fixed fields straight into a
+  // slot, with no copy of its own (no ragged fields; nothing held):
+  //   begin(); then per example reserve(seq) -> slot_data(slot), written by
+  //   the caller, then commit(slot, seq) or cancel(slot); end() once.
+  // Between begin() and end() a put is in flight (I1/I2), so a close() waits
+  // for the examples being written. commit() publishes as put does (P2).
+  void begin() noexcept { region_.header->in_flight.fetch_add(1, std::memory_order_seq_cst); }  // (I1)
+
+  void end() noexcept {
+    region_.committed->not_empty().notify_all();
+    RegionHeader& h = *region_.header;
+    // (I2) seq_cst, as at the end of put_rows.
+    if (h.in_flight.fetch_sub(1, std::memory_order_seq_cst) == 1 && h.closed.load(std::memory_order_seq_cst))
+      region_.committed->not_empty().notify_all();
+  }
+
+  // Waits for the window to reach `seq` and for a free slot, as put does.
+  Status reserve(std::uint64_t seq, std::uint32_t& slot, Deadline deadline) {
+    DATAECHO_CHECK(layout_.ragged_fields().empty());
+    const auto wake = [this] { region_.committed->not_empty().notify_all(); };
+    if (region_.header->window != 0) {
+      const Status status = wait_for_window(seq, deadline, wake);
+      if (status != Status::kOk) return status;
+    }
+    return acquire_slot(slot, deadline, wake);
+  }
+
+  std::byte* slot_data(std::uint32_t slot) noexcept { return region_.arena.slot(slot); }
+
+  void commit(std::uint32_t slot, std::uint64_t seq) noexcept {
+    // The caller's stores are ordinary ones, but it may have streamed (NumPy's
+    // large copies do): fenced, so that the push's release orders them all.
+    stream_fence();
+    if (HeldRef* refs = region_.refs(slot))  // its values are in the slot, none held
+      for (std::size_t h = 0; h < layout_.holdable_fields().size(); ++h) refs[h] = HeldRef{nullptr, 0};
+    region_.slot_seq[slot] = seq;  // published with the slot by the push below
+    // relaxed: ordered by the commit's release (P2), as in put_rows.
+    region_.header->fresh.fetch_add(1, std::memory_order_relaxed);
+    DATAECHO_CHECK(region_.committed->try_push_quiet(slot));  // never full: see put_rows
+    region_.committed->not_empty().notify_all();
+  }
+
+  void cancel(std::uint32_t slot) noexcept { give_back(slot); }
+
   // Pages of the heap that an example with these ragged row counts takes.
   std::size_t pages_for(const std::uint64_t* lengths) const noexcept {
     std::size_t pages = 0;

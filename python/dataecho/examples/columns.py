@@ -14,7 +14,7 @@ from .blocks import RowBlock
 from .fields import Field, to_field_array
 from .structure import Structure
 
-__all__ = ["FRESH_MIN_BYTES", "Columns", "Fresh", "ragged_hint"]
+__all__ = ["FRESH_MIN_BYTES", "Columns", "Fresh", "Into", "ragged_hint"]
 
 # Leaves of at least this many bytes per example are marked fresh where they are (see Fresh): below it, holding
 # one costs about what the copy it saves does (bench/bench_loaders.py: 12 KiB rows no faster held).
@@ -35,6 +35,21 @@ class Fresh(list):
     """
 
     __slots__ = ("fresh",)
+
+
+class Into:
+    """A chunk a dataset writes straight into a buffer's slots (its
+    ``read_into``), given to ``put_each`` in place of columns.
+
+    Attributes:
+        write: ``write(i, views)``: writes the chunk's row ``i`` into
+            ``views``, one writable array per field over a slot's memory.
+    """
+
+    __slots__ = ("write",)
+
+    def __init__(self, write: Any) -> None:
+        self.write = write
 
 
 def _ref_counts(values: list) -> list[int]:
@@ -58,9 +73,12 @@ class Columns:
         codec: carries the object leaves (the buffer's, or a worker's); None
             without object leaves.
         where: what the examples are, for messages.
+        private: the buffer is this process's own, so that examples may be
+            written straight into its slots (:meth:`into`).
     """
 
-    def __init__(self, structure: Structure, fields: list[Field], codec: Any = None, where: str = "example") -> None:
+    def __init__(self, structure: Structure, fields: list[Field], codec: Any = None, where: str = "example",
+                 private: bool = False) -> None:
         self.structure, self.fields, self._codec, self._where = structure, fields, codec, where
         self._decls = [f.decl() if f.kind != "object" else None for f in fields]
         self._objects = [i for i, f in enumerate(fields) if f.kind == "object"]
@@ -68,6 +86,9 @@ class Columns:
         # A fresh leaf's holders: its column, and its example's container (for one-leaf examples, the
         # list of examples is the column: Structure.columns).
         self._alone = _ALONE + (0 if structure.single else 1)
+        # Written in place where that saves a copy: a private buffer, NumPy arrays alone, large examples.
+        self.writes_into = (private and all(f.kind == "array" for f in fields) and not structure.has_raw
+                            and sum(f.nbytes for f in fields) >= FRESH_MIN_BYTES)
 
     def of(self, examples: list | RowBlock) -> list:
         """The columns of a list of examples, or of a block of rows held as
@@ -119,6 +140,12 @@ class Columns:
         if exact == 0 and field.kind == "array" and (stacked := _scalars(values, field)) is not None:
             return stacked
         return values[:exact] + [self.converted(v, leaf) for v in values[exact:]]
+
+    def into(self, read_into: Any, indices: list[int]) -> Into:
+        """The chunk of ``indices`` as ``read_into(index, out)`` writes it: ``out``
+        is the example's structure over a slot's memory (where :attr:`writes_into`)."""
+        unflatten = self.structure.unflatten
+        return Into(lambda i, views: read_into(indices[i], unflatten(views)))
 
     def _marked(self, values: list) -> Fresh:
         """``values`` as a :class:`Fresh` column: counted before the new list holds them too."""

@@ -99,6 +99,11 @@ class Structure:
         return self._root
 
     @property
+    def has_raw(self) -> bool:
+        """Some leaf is a torch dtype NumPy lacks (bfloat16, say), stored as raw bits."""
+        return self._has_raw
+
+    @property
     def single(self) -> bool:
         """True when the example is one leaf (no dict, tuple or list around it)."""
         return self._root.kind in LEAVES

@@ -18,6 +18,7 @@ import numpy as np
 
 from .. import _core
 from ..errors import BufferClosed
+from ..examples.columns import Columns, Into
 from ..examples.fields import Field, field_value
 from ..examples.objects import LeafMap
 from .hold import HoldPolicy
@@ -64,6 +65,7 @@ class NativeBuffer:
                  cache: _core.BlockCache | None = None, objects: str = "key", hold: bool | str = "sources"):
         self.fields = fields
         self._hold = HoldPolicy(hold, shared=config.shared)
+        self.private = not config.shared  # this process's own memory: examples may be written straight into slots
         config.hold_min_bytes = self._hold.min_bytes
         self.page_bytes = config.page_bytes  # of the page heap for ragged values (0: none)
         self.capacity = config.capacity
@@ -112,10 +114,11 @@ class NativeBuffer:
         if status != _OK:
             raise put_many_error(status, done, rows, timeout_s)
 
-    def put_each(self, columns: list, rows: int, first_seq: int = 0, timeout_s: float | None = None,
+    def put_each(self, columns: list | Into, rows: int, first_seq: int = 0, timeout_s: float | None = None,
                  done: int = 0) -> int:
         """Puts rows [done, rows) of ``columns`` (one per native field, the
-        carrier last: see ``_core.Buffer.put_each`` and dataecho.reading.chunking.Columns),
+        carrier last: see ``_core.Buffer.put_each`` and dataecho.reading.chunking.Columns;
+        or an ``Into``, whose rows are written straight into their slots),
         row i numbered ``first_seq + i``; returns the rows put by then: all of
         them, or fewer when ``timeout_s`` ran out.
 
@@ -123,7 +126,10 @@ class NativeBuffer:
             BufferClosed: the buffer was closed or stopped.
         """
         self.check_process()
-        status, done = self._core.put_each(columns, rows, timeout_s, first_seq, done, self._hold.columns(columns))
+        if isinstance(columns, Into):  # written straight into slots (dataecho.examples.columns.Into)
+            status, done = self._core.put_into(rows, first_seq, columns.write, timeout_s, done)
+        else:
+            status, done = self._core.put_each(columns, rows, timeout_s, first_seq, done, self._hold.columns(columns))
         if status == _CLOSED:
             raise BufferClosed("put(): the ShuffleBuffer is closed")
         return done
@@ -132,6 +138,10 @@ class NativeBuffer:
     def held(self) -> int:
         """Values (one per example and held field) held by reference now."""
         return self._core.held_values
+
+    def columns(self, structure: Any) -> Columns:
+        """What converts a list of examples of ``structure`` to this buffer's columns."""
+        return Columns(structure, self.fields, self.codec, private=self.private)
 
     def native_columns(self, columns: list) -> list:
         """Columns of ``put_each`` given one per field: the object fields'

@@ -1,6 +1,15 @@
 """A map-style dataset read example by example: ``source[i]`` (or
 ``__getitems__(indices)`` once per chunk where the source has it, torch's
-batched-fetch convention), then ``transform``."""
+batched-fetch convention), then ``transform``.
+
+A dataset may also write its examples straight into the loader's memory:
+``read_into(index, out)`` writes example ``index`` into ``out``, the example's
+structure (as ``source[index]`` gives it) of writable NumPy arrays, and keeps
+no reference to them. Without ``transform``, for examples of NumPy arrays and
+numbers alone, of ``FRESH_MIN_BYTES`` or more, read by threads
+(dataecho.examples.columns.Columns.writes_into), the loader calls it instead of
+``__getitem__`` (which still gives the first examples, and the structure):
+each example is then copied once, from its slot into its batch."""
 
 from __future__ import annotations
 
@@ -21,6 +30,8 @@ class ExampleReader:
     def __init__(self, source: Any, transform: Any, order: np.ndarray) -> None:
         self._source, self._transform, self._order = source, transform, order
         self._getitems = getattr(source, "__getitems__", None)
+        # read_into(index, out): the example written into `out`, memory of the loader's (see chunks).
+        self._read_into = getattr(source, "read_into", None) if transform is None else None
         self._quick = False  # per-example reads measured fast (see chunks)
         self._reader_name = "source" if transform is None else "source or transform"
 
@@ -39,6 +50,9 @@ class ExampleReader:
         count = len(indices)
         if not count:
             return
+        if self._read_into is not None and columns.writes_into:  # straight into the buffer's slots
+            yield first, count, columns.into(self._into, indices)
+            return
         if self._getitems is not None:
             try:
                 examples = list(self._getitems(indices))
@@ -56,6 +70,12 @@ class ExampleReader:
             self._quick = (time.perf_counter() - started) * CHUNK < SLICE_S / 2 * len(examples)
             yield seq, len(examples), columns.of(examples)
             started = time.perf_counter()
+
+    def _into(self, index: int, out: Any) -> None:
+        try:
+            self._read_into(index, out)
+        except StopIteration as stop:
+            raise stop_iteration_error(stop, "source") from stop
 
     def _read(self, indices: list[int]) -> Iterator[Any]:
         """The examples at ``indices``, transformed, one by one."""

@@ -16,7 +16,6 @@ from typing import Iterator
 
 import numpy as np
 
-from ..examples.columns import Columns
 from ..examples.structure import Structure
 from ..native.echo_buffer import NativeBuffer
 from ..reading.chunking import Chunk, claimed
@@ -100,11 +99,11 @@ class InlineReader:
         return [{"produced": self._produced, "busy_s": self._busy_s}]
 
     def _positions(self) -> Iterator[Chunk]:
-        columns = Columns(self._structure, self._buffer.fields, self._buffer.codec)
+        columns = self._buffer.columns(self._structure)
         return claimed(self._buffer.claim_range, self._source.chunk, self._source.reader, columns)
 
     def _iterated(self, first_seq: int, ready: list) -> Iterator[Chunk]:
-        source, columns = self._source, Columns(self._structure, self._buffer.fields, self._buffer.codec)
+        source, columns = self._source, self._buffer.columns(self._structure)
         if ready:
             yield first_seq, len(ready), columns.of(ready)
         transform = source.transform

@@ -17,7 +17,6 @@ import time
 from typing import Any, Callable, Iterator
 
 from ..errors import BufferClosed
-from ..examples.columns import Columns
 from ..examples.structure import Structure
 from ..native.echo_buffer import NativeBuffer
 from ..reading.chunking import claimed
@@ -95,7 +94,7 @@ class Producers(InBackground):
         """The buffer, once the probe's examples told the structure: the
         threads put what they kept, then read on into it (map-style: the
         positions its claim counter hands out, set by the caller)."""
-        self._columns = Columns(structure, buffer.fields, buffer.codec)
+        self._columns = buffer.columns(structure)
         self._structure = structure
         self._buffer = buffer  # last: a thread that sees it finds the rest set
         self.probe.attach(buffer)
@@ -105,7 +104,7 @@ class Producers(InBackground):
         hands out (set by the caller), a chunk at a time, on every worker; a
         position is also the example's sequence number."""
         if self.probe is None:
-            self._columns = Columns(self._structure, self._buffer.fields, self._buffer.codec)
+            self._columns = self._buffer.columns(self._structure)
         self._growth = Growth(self._auto_limit)
         self._spawn([self._read_map] * self._workers)
 
@@ -115,7 +114,7 @@ class Producers(InBackground):
         threads. Examples are numbered in reading order from ``first_seq``,
         ``ready`` ones (read and transformed) first."""
         if self.probe is None:
-            self._columns = Columns(self._structure, self._buffer.fields, self._buffer.codec)
+            self._columns = self._buffer.columns(self._structure)
         chunks = _numbered(self._source, first_seq, ready or [], blocks=self._transform is None)
         if self._transform is None:
             self._spawn([functools.partial(self._read_chunks, chunks)], initialized=1)
