@@ -10,7 +10,9 @@ sources of the same rows:
   torch ``Dataset``);
 * ``array``: the NumPy array of the rows itself;
 * ``__getitems__``: a dataset that also has ``__getitems__(indices)`` (torch's
-  batched fetch, which DataLoader calls too), one NumPy gather per call.
+  batched fetch, which DataLoader calls too), one NumPy gather per call;
+* ``read_into`` (EchoLoader alone): ``per-example`` with ``read_into(i, out)``,
+  which writes row i straight into the loader's memory.
 
 Contestants: ``EchoLoader(source, batch_size=256, echo_factor=1)``, and for
 the per-example source also with 2 (persistent) worker processes; the loop a
@@ -106,6 +108,14 @@ class BatchedRows(FreshRows):
 
     def __getitems__(self, indices: list[int]) -> list[np.ndarray]:
         return list(self.rows[indices])
+
+
+class WrittenRows(FreshRows):
+    """``FreshRows`` that also writes row i straight into the loader's memory
+    (``read_into``, which EchoLoader calls for examples of 32 KiB or more)."""
+
+    def read_into(self, i: int, out: np.ndarray) -> None:
+        out[...] = self.rows[i]
 
 
 def source_of(kind: str, rows: np.ndarray) -> Any:
@@ -295,6 +305,8 @@ def copies(kind: str, name: str, nbytes: int) -> int | None:
     """Copies of each example's bytes (see COPIES)."""
     if (kind, name) == ("per-example", ECHO) and nbytes >= FRESH_MIN_BYTES:
         return 2
+    if (kind, name) == ("read_into", ECHO):  # into its slot (the dataset's own write), then into its batch
+        return 2 if nbytes >= FRESH_MIN_BYTES else 3
     return COPIES.get((kind, name))
 
 
@@ -313,6 +325,8 @@ def run_matrix(seconds: float, repeat: int, available: dict[str, bool]) -> list[
                     cells.setdefault((kind, name), []).append(fn(source, rows, seconds))
             print(f"running {size.label}, per-example: {HAND} ...", file=sys.stderr, flush=True)
             cells.setdefault(("per-example", HAND), []).append(run_hand_loop(source_of("per-example", rows), seconds))
+            print(f"running {size.label}, read_into: {ECHO} ...", file=sys.stderr, flush=True)
+            cells.setdefault(("read_into", ECHO), []).append(run_echo(WrittenRows(rows), seconds))
             # Declared: a Python __getitem__ that holds the GIL, read by processes.
             print(f"running {size.label}, per-example: {ECHO_PROCESSES} ...", file=sys.stderr, flush=True)
             cells.setdefault(("per-example", ECHO_PROCESSES), []).append(run_echo(
@@ -412,6 +426,10 @@ def targets(rows: list[dict]) -> list[dict]:
 
     checks.append(_check("per-example source: EchoLoader >= 1.5 x the best of DataLoader, torchdata.nodes and the "
                          "hand-written loop", worst("per-example", best_peer), 1.5, ""))
+    into = [rate(rows, s.label, "read_into", ECHO) / array for s in SIZES[2:]
+            if (array := rate(rows, s.label, "array", ECHO))]
+    checks.append(_check("read_into source, 150 KiB and 1 MiB: EchoLoader >= 0.8 x EchoLoader over the array",
+                         min(into) if into else None, 0.8, "did not run"))
     bare_64 = rate(rows, SIZES[0].label, "per-example", BARE)
     echo_64 = rate(rows, SIZES[0].label, "per-example", ECHO)
     checks.append(_check(f"per-example source, {SIZES[0].label}: EchoLoader >= 0.7 x the bare __getitem__ loop",
