@@ -26,6 +26,7 @@ NATIVE_TESTS = [
     "buffer_deterministic",
     "buffer_in_order",
     "buffer_put_each",
+    "buffer_put_into",
     "buffer_held",
     "buffer_snapshot",
     "buffer_timeouts",

@@ -45,6 +45,7 @@ const Test kTests[] = {
     {"buffer_deterministic", dataecho_test::test_buffer_deterministic},
     {"buffer_in_order", dataecho_test::test_buffer_in_order},
     {"buffer_put_each", dataecho_test::test_buffer_put_each},
+    {"buffer_put_into", dataecho_test::test_buffer_put_into},
     {"buffer_held", dataecho_test::test_buffer_held},
     {"buffer_snapshot", dataecho_test::test_buffer_snapshot},
     {"buffer_timeouts", dataecho_test::test_buffer_timeouts},

@@ -23,6 +23,7 @@ std::string test_buffer_accounting();
 std::string test_buffer_fractional_and_drop_last();
 std::string test_buffer_deterministic();
 std::string test_buffer_put_each();
+std::string test_buffer_put_into();
 std::string test_buffer_held();
 
 // test_buffer_snapshot.cpp
