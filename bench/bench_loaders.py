@@ -305,8 +305,8 @@ def copies(kind: str, name: str, nbytes: int) -> int | None:
     """Copies of each example's bytes (see COPIES)."""
     if (kind, name) == ("per-example", ECHO) and nbytes >= FRESH_MIN_BYTES:
         return 2
-    if (kind, name) == ("read_into", ECHO):  # into its slot (the dataset's own write), then into its batch
-        return 2 if nbytes >= FRESH_MIN_BYTES else 3
+    if (kind, name) == ("read_into", ECHO):  # at echo 1 written straight into its batch
+        return 1 if nbytes >= FRESH_MIN_BYTES else 3
     return COPIES.get((kind, name))
 
 

@@ -28,7 +28,7 @@ from . import _core
 from .config.loader_config import LoaderConfig, loader_config
 from .examples.described import describe, described
 from .examples.structure import Structure
-from .pipeline.epoch import Epoch
+from .pipeline.epoch import Epoch, release
 from .pipeline.plan import Planner
 from .pipeline.progress.job import Job
 from .pipeline.progress.numbering import EpochNumbers
@@ -317,7 +317,7 @@ def _release(kept: dict[str, Any]) -> None:
     if kept.get("_pool") is not None:
         kept["_pool"].close(PROCESS_GRACE_S)
     if kept.get("_memory") is not None:
-        kept["_memory"].clear()
+        release(kept["_memory"])
 
 
 def _envelope(loader: EchoLoader) -> Envelope:

@@ -152,7 +152,7 @@ def _build(chain: Chain, plan: Plan, structure: Structure | None, reading: Readi
         source.keep(checkpoint.named_rows(states), int(states["intake"].get("next_seq", 0)))
     if plan.reads_batches:
         stage = batches.BatchesIntake(plan.intake, source, structure, chain.failure, on_failure,
-                                      states.get("intake"), on_structure)
+                                      states.get("intake"), on_structure, resources.memory)
     else:
         stage = intake.IntakeStage(plan.intake, reading, structure, first, states.get("intake"), probing)
     last: Stage = _add(chain, stage)

@@ -27,8 +27,9 @@ from .epoch_stages import EpochStages
 from .output import output_of
 from .plan import Plan
 from .stages.stage import Batch, weakly
+from .stages.written import release  # the loader frees the memory its epochs kept with it
 
-__all__ = ["Epoch"]
+__all__ = ["Epoch", "release"]
 
 
 LEAVE_WAIT_S = 2.0  # how long a dropped epoch waits for a stage thread's pull to take its state

@@ -174,8 +174,8 @@ class Planner:
 
     @property
     def replayable(self) -> bool:
-        """A position mid-epoch follows from the seed alone (see LoaderConfig.replayable)."""
-        return self._config.replayable
+        """A position mid-epoch follows from the seed alone (LoaderConfig.replayable; not batches written in place)."""
+        return self._config.replayable and not writes_batches(self._config)
 
     @property
     def echo_factor(self) -> float:
@@ -219,9 +219,11 @@ def plan(config: LoaderConfig) -> Plan:
                       config.drop_last, config.batch_sampler) if config.map_style else None
     source = SourceSpec(config.dataset, config.transform, order, config.seed, config.shard.rank,
                         chunk=min(CHUNK, config.batch_size),
-                        marks=_marks(config))
+                        marks=_marks(config),
+                        batches=(config.batch_size, config.drop_last) if writes_batches(config) else None)
     batch_echo = _batch_echo(config, exact) if config.echo.at == "batch" and not config.in_order else None
-    intake = _batches(config, source) if config.batch_sampler is not None else _intake(config, source, exact)
+    whole = config.batch_sampler is not None or writes_batches(config)  # batches read whole, no echo buffer
+    intake = _batches(config, source) if whole else _intake(config, source, exact)
     return Plan(
         source=source, intake=intake, batch_echo=batch_echo,
         augment=_augment(config, exact, batch_echo) if config.augment is not None else None,
@@ -301,9 +303,18 @@ def _intake(config: LoaderConfig, source: SourceSpec, exact: bool) -> IntakeSpec
     )
 
 
+def writes_batches(config: LoaderConfig) -> bool:
+    """Echo 1 over a map-style dataset with ``read_into`` (no transform, batch_sampler or sampler without a
+    length; threads or inline): batches read whole, written in place (dataecho.pipeline.stages.written)."""
+    return (config.map_style and config.echo.once and config.batch_sampler is None and config.transform is None
+            and callable(getattr(config.dataset, "read_into", None))
+            and (config.sampler is None or hasattr(config.sampler, "__len__"))
+            and (config.workers == 0 or config.worker_type == "thread"))
+
+
 def _batches(config: LoaderConfig, source: SourceSpec) -> BatchesSpec:
-    # No echo buffer: the sampler's batches are read whole, `prefetch` of them
-    # ahead (at least one per worker thread).
+    # No echo buffer: the sampler's batches (or at echo 1, the order's batches,
+    # written in place) are read whole, `prefetch` of them ahead (at least one per worker thread).
     return BatchesSpec(source=source, workers=_workers(config), ahead=config.prefetch,
                        declared_ragged=config.ragged or frozenset(), unresumable=_unresumable(config))
 

@@ -29,7 +29,7 @@ from .order import OrderSpec
 from .restart import Mark, Marks, restart_hooks
 from .sampled import LazyOrder
 
-__all__ = ["SAMPLE", "EpochSource", "SourceSpec", "in_fixed_order", "is_map_style"]
+__all__ = ["SAMPLE", "EpochSource", "SourceSpec", "cut", "in_fixed_order", "is_map_style"]
 
 SAMPLE = 8  # examples read first, to learn the structure (which leaves vary in length)
 
@@ -71,6 +71,9 @@ class SourceSpec:
         chunk: positions of a map-style order a worker claims at a time.
         marks: a restartable iterable (dataecho.reading.restart) whose states
             a checkpoint can use: its iteration is marked as it is read.
+        batches: (batch_size, drop_last) where a map-style order is read in
+            whole batches of its own (dataecho.pipeline.stages.written): the
+            epoch gives bounds for them, as a batch sampler's; else None.
     """
 
     dataset: Any
@@ -80,6 +83,19 @@ class SourceSpec:
     rank: int
     chunk: int = CHUNK
     marks: bool = False
+    batches: tuple[int, bool] | None = None
+
+
+def cut(order: np.ndarray, batch_size: int, drop_last: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``order`` in batches of ``batch_size`` as (order, bounds): batch ``i`` is
+    ``order[bounds[i]:bounds[i + 1]]``; a short last batch kept, or dropped
+    (and its positions with it) with ``drop_last``."""
+    length = len(order) - len(order) % batch_size if drop_last else len(order)
+    bounds = np.arange(0, length + batch_size, batch_size, dtype=np.int64)
+    bounds[-1] = min(bounds[-1], length)
+    if len(bounds) > 1 and bounds[-1] == bounds[-2]:
+        bounds = bounds[:-1]
+    return np.asarray(order[:length]), bounds
 
 
 class EpochSource:
@@ -135,6 +151,8 @@ class EpochSource:
             # rank reads its shard; or a sampler's order (a batch sampler's, read whole now).
             if saved_order is None:
                 self.order, self.bounds, self._sampler_state = spec.order.drawn(epoch)
+                if spec.batches is not None:
+                    self.order, self.bounds = cut(self.order, *spec.batches)
             else:
                 self.order, self.bounds = spec.order.resumed(saved_order, sampler_state), saved_bounds
             self.reader = map_reader(spec.dataset, spec.transform, self.order)

@@ -118,8 +118,8 @@ class LoaderPosition:
         if moved is None:
             warnings.warn(
                 f"set_epoch({number}): the state loaded stood mid-way through epoch {pending['epoch']}, and that "
-                f"position cannot be worked out for epoch {number} (an iterable, or a sampler's order): epoch "
-                f"{number} starts from its beginning", UserWarning, stacklevel=3)
+                f"position cannot be worked out for epoch {number} (an iterable, a sampler's order, or batches "
+                f"written in place): epoch {number} starts from its beginning", UserWarning, stacklevel=3)
             moved = {**pending, "epoch": number, "stages": None, "history": []}
         self.pending = moved
 

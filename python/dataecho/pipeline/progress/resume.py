@@ -100,7 +100,8 @@ def _for_this_rank(state: dict, planner: Planner) -> tuple[dict[str, Any], int |
         raise ValueError(
             f"state: saved by rank {rank} of {world}, but this loader is rank {planner.shard.rank} of "
             f"{planner.shard.world_size}; a rank's position mid-epoch follows from another's only for a map-style "
-            f"dataset read in dataecho's own order (no sampler or batch_sampler) with deterministic reading: load "
+            f"dataset read in dataecho's own order (no sampler or batch_sampler, and at echo 1 no read_into) with "
+            f"deterministic reading: load "
             f"each rank's own state_dict() on that rank (the same world size), or resume at an epoch boundary")
     history = old_checked["history"]
     if world != planner.shard.world_size:

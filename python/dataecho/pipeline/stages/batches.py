@@ -35,6 +35,7 @@ from ...workers.failure import Failure
 from ...workers.spec import WorkersSpec
 from .. import checkpoint
 from .stage import Batch, Replay
+from .written import BatchBlocks, blocks_for, writable, written
 
 __all__ = ["BatchesIntake", "BatchesSpec", "check_state"]
 
@@ -70,17 +71,23 @@ class BatchesIntake:
         resume: this stage's state from a checkpoint, or None.
         on_structure: called with the structure once the first batch told it
             (from a worker thread).
+        memory: the loader's memory kept between epochs (batches written in
+            place keep theirs with it: dataecho.pipeline.stages.written), or None.
     """
 
     name = "intake"
 
     def __init__(self, spec: BatchesSpec, source: EpochSource, structure: Structure | None, failure: Failure,
                  on_failure: Callable[[], None], resume: dict[str, Any] | None = None,
-                 on_structure: Callable[[Structure], None] = lambda structure: None) -> None:
+                 on_structure: Callable[[Structure], None] = lambda structure: None, memory: Any = None) -> None:
         self._spec, self._source, self.structure = spec, source, structure
         self.unresumable = spec.unresumable
         self._on_structure = on_structure
         self._learning = threading.Lock()
+        self._read_into = getattr(source.spec.dataset, "read_into", None)
+        self._memory = memory
+        self._blocks: BatchBlocks | None = None  # where batches are written in place (see written)
+        self._writes(structure)
         # Batches that had been read but not handed on when the state was taken: yielded first.
         self._replay = Replay(resume["queued"] if resume else None)
         count = len(source.bounds) - 1
@@ -135,7 +142,12 @@ class BatchesIntake:
         return self._batch(np.arange(bounds[number], bounds[number + 1], dtype=np.uint64))
 
     def _batch(self, rows: np.ndarray) -> Batch:
-        """The examples at positions ``rows``, read, transformed and stacked."""
+        """The examples at positions ``rows``, read, transformed and stacked, or
+        written in place where the dataset writes its examples (see written)."""
+        blocks, structure = self._blocks, self.structure  # the blocks are set after the structure
+        if blocks is not None:
+            indices = self._source.order[rows.astype(np.int64)].tolist()
+            return Batch(structure, tuple(written(structure, blocks, indices, self._read_into)), rows)
         examples = [self._source.read(int(position)) for position in rows]
         structure = self.structure if self.structure is not None else self._learn(examples)
         try:
@@ -152,8 +164,16 @@ class BatchesIntake:
             if self.structure is None:
                 structure = self._source.structure_of(examples, self._spec.declared_ragged)
                 self._on_structure(structure)
-                self.structure = structure  # last: a worker that sees it knows the loader was told
+                self.structure = structure  # a worker that sees it knows the loader was told
+                self._writes(structure)
         return self.structure
+
+    def _writes(self, structure: Structure | None) -> None:
+        """Batches are written in place from now on, where the source says so
+        and ``structure`` allows it (set once the structure is)."""
+        batches = self._source.spec.batches
+        if batches is not None and structure is not None and writable(structure):
+            self._blocks = blocks_for(self._memory, structure.fields(), batches[0])
 
 
 def check_state(spec: BatchesSpec, state: dict, order: np.ndarray, where: str) -> dict[str, Any]:
