@@ -12,7 +12,8 @@ sources of the same rows:
 * ``__getitems__``: a dataset that also has ``__getitems__(indices)`` (torch's
   batched fetch, which DataLoader calls too), one NumPy gather per call;
 * ``read_into`` (EchoLoader alone): ``per-example`` with ``read_into(i, out)``,
-  which writes row i straight into the loader's memory.
+  which writes row i straight into the loader's memory (at echo 1, into its
+  batch: one copy).
 
 Contestants: ``EchoLoader(source, batch_size=256, echo_factor=1)``, and for
 the per-example source also with 2 (persistent) worker processes; the loop a
@@ -111,8 +112,7 @@ class BatchedRows(FreshRows):
 
 
 class WrittenRows(FreshRows):
-    """``FreshRows`` that also writes row i straight into the loader's memory
-    (``read_into``, which EchoLoader calls for examples of 32 KiB or more)."""
+    """``FreshRows`` that also writes row i straight into the loader's memory (``read_into``)."""
 
     def read_into(self, i: int, out: np.ndarray) -> None:
         out[...] = self.rows[i]
@@ -306,7 +306,7 @@ def copies(kind: str, name: str, nbytes: int) -> int | None:
     if (kind, name) == ("per-example", ECHO) and nbytes >= FRESH_MIN_BYTES:
         return 2
     if (kind, name) == ("read_into", ECHO):  # at echo 1 written straight into its batch
-        return 1 if nbytes >= FRESH_MIN_BYTES else 3
+        return 1
     return COPIES.get((kind, name))
 
 

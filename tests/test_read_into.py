@@ -79,8 +79,9 @@ def test_read_into_is_not_used_where_it_would_not_save_a_copy(case):
     dataset = Writes(n=120, nbytes=1024 if case == "small" else ROW)
     options = {"small": {}, "processes": {"worker_type": "process", "num_workers": 2},
                "transform": {"transform": lambda e: e}}[case]
-    loader = dataecho.EchoLoader(dataset, batch_size=8, echo_factor=1, seed=3, **options)
-    assert delivered(loader) == Counter({i: 1 for i in range(120)})
+    echo = 2 if case == "small" else 1  # at echo 1 read_into writes batches in place, whatever their size
+    loader = dataecho.EchoLoader(dataset, batch_size=8, echo_factor=echo, seed=3, **options)
+    assert delivered(loader) == Counter({i: echo for i in range(120)})
     if case != "processes":  # processes read their own copies of the dataset: its counters stay there
         assert dataset.calls["read_into"] == 0 and dataset.calls["getitem"] == 120
 
@@ -140,6 +141,13 @@ def test_at_echo_1_batches_are_the_orders_batches_written_in_place(drop_last):
     assert [i for b in batches for i in b] == list(range(kept)), "the reading order, cut into batches"
     assert [len(b) for b in batches] == [16] * 6 + ([] if drop_last else [4]) and len(loader) == len(batches)
     assert dataset.calls["getitem"] <= 2 * 16, "each reading thread's first batch tells the structure"
+
+
+def test_at_echo_1_small_examples_are_written_in_place_too():
+    dataset = Writes(n=64, nbytes=256)
+    loader = dataecho.EchoLoader(dataset, batch_size=16, echo_factor=1, shuffle=False, num_workers=1, seed=3)
+    assert [i for b in loader for i in image_ids(b)] == list(range(64))
+    assert dataset.calls["read_into"] == 48, "all but the first batch, which tells the structure"
 
 
 def test_batches_written_in_place_are_never_overwritten_while_held():

@@ -9,7 +9,8 @@ no reference to them. Without ``transform``, for examples of NumPy arrays and
 numbers alone, of ``FRESH_MIN_BYTES`` or more, read by threads
 (dataecho.examples.columns.Columns.writes_into), the loader calls it instead of
 ``__getitem__`` (which still gives the first examples, and the structure):
-each example is then copied once, from its slot into its batch."""
+each example is then copied once, from its slot into its batch. (At echo 1 the
+loader writes whole batches in place instead: dataecho.pipeline.stages.written.)"""
 
 from __future__ import annotations
 

@@ -20,7 +20,6 @@ from typing import Any, Callable
 import numpy as np
 
 from ...errors import stop_iteration_error
-from ...examples.columns import FRESH_MIN_BYTES
 from ...examples.fields import Field
 from ...examples.structure import Structure
 
@@ -35,11 +34,8 @@ _POOLS_LOCK = threading.Lock()
 
 
 def writable(structure: Structure) -> bool:
-    """Whether ``read_into`` writes examples of ``structure``: NumPy arrays and numbers alone, of
-    ``FRESH_MIN_BYTES`` or more (below, a call per example costs more than the copy it saves)."""
-    fields = structure.fields()
-    return (all(f.kind == "array" for f in fields) and not structure.has_raw
-            and sum(f.nbytes for f in fields) >= FRESH_MIN_BYTES)
+    """Whether ``read_into`` can write examples of ``structure``: NumPy arrays and numbers alone."""
+    return all(kind == "array" for kind in structure.kinds) and not structure.has_raw
 
 
 def _counts(values: list) -> list[int]:
