@@ -14,7 +14,7 @@ from .blocks import RowBlock
 from .fields import Field, to_field_array
 from .structure import Structure
 
-__all__ = ["FRESH_MIN_BYTES", "Columns", "Fresh", "Into", "ragged_hint"]
+__all__ = ["ALONE", "FRESH_MIN_BYTES", "Columns", "Fresh", "Into", "ragged_hint", "ref_counts"]
 
 # Leaves of at least this many bytes per example are marked fresh where they are (see Fresh): below it, holding
 # one costs about what the copy it saves does (bench/bench_loaders.py: 12 KiB rows no faster held).
@@ -52,13 +52,14 @@ class Into:
         self.write = write
 
 
-def _ref_counts(values: list) -> list[int]:
+def ref_counts(values: list) -> list[int]:
+    """Each value's reference count, as compared with :data:`ALONE`."""
     return [sys.getrefcount(v) for v in values]
 
 
-# What _ref_counts says of an array that only its list holds: calibrated on this interpreter, whose
+# What ref_counts says of an array that only its list holds: calibrated on this interpreter, whose
 # reference counting of arguments and loop variables may differ from another's.
-_ALONE = _ref_counts([np.empty(1)])[0]
+ALONE = ref_counts([np.empty(1)])[0]
 
 class Columns:
     """Converts a list of examples to the native columns of a buffer: one per
@@ -85,7 +86,7 @@ class Columns:
         self._large = {i for i, f in enumerate(fields) if f.kind == "array" and f.nbytes >= FRESH_MIN_BYTES}
         # A fresh leaf's holders: its column, and its example's container (for one-leaf examples, the
         # list of examples is the column: Structure.columns).
-        self._alone = _ALONE + (0 if structure.single else 1)
+        self._alone = ALONE + (0 if structure.single else 1)
         # Written in place where that saves a copy: a private buffer, NumPy arrays alone, large examples.
         self.writes_into = (private and all(f.kind == "array" for f in fields) and not structure.has_raw
                             and sum(f.nbytes for f in fields) >= FRESH_MIN_BYTES)
@@ -149,7 +150,7 @@ class Columns:
 
     def _marked(self, values: list) -> Fresh:
         """``values`` as a :class:`Fresh` column: counted before the new list holds them too."""
-        counts = _ref_counts(values)
+        counts = ref_counts(values)
         column = Fresh(values)
         column.fresh = [n == self._alone and type(v) is np.ndarray and v.base is None for v, n in zip(values, counts)]
         return column

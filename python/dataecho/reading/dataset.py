@@ -52,7 +52,7 @@ class ExampleReader:
         if not count:
             return
         if self._read_into is not None and columns.writes_into:  # straight into the buffer's slots
-            yield first, count, columns.into(self._into, indices)
+            yield first, count, columns.into(self.read_into, indices)
             return
         if self._getitems is not None:
             try:
@@ -72,7 +72,8 @@ class ExampleReader:
             yield seq, len(examples), columns.of(examples)
             started = time.perf_counter()
 
-    def _into(self, index: int, out: Any) -> None:
+    def read_into(self, index: int, out: Any) -> None:
+        """The source's ``read_into(index, out)``, a ``StopIteration`` from it made an error."""
         try:
             self._read_into(index, out)
         except StopIteration as stop:

@@ -85,7 +85,7 @@ class BatchesIntake:
         self.unresumable = spec.unresumable
         self._on_structure = on_structure
         self._learning = threading.Lock()
-        self._read_into = getattr(source.spec.dataset, "read_into", None)
+        self._read_into = getattr(source.reader, "read_into", None)  # a dataset's (dataecho.reading.dataset)
         self._memory = memory
         self._blocks: BatchBlocks | None = None  # where batches are written in place (see written)
         self._writes(structure)
@@ -178,7 +178,7 @@ class BatchesIntake:
         """Batches are written in place from now on, where the source says so
         and ``structure`` allows it (set once the structure is)."""
         batches = self._source.spec.batches
-        if batches is not None and structure is not None and writable(structure):
+        if batches is not None and self._read_into is not None and structure is not None and writable(structure):
             self._blocks = blocks_for(self._memory, structure.fields(), batches[0])
 
 

@@ -12,14 +12,13 @@ it) past its return is refused: it could change a batch already delivered.
 
 from __future__ import annotations
 
-import sys
 import threading
 import weakref
 from typing import Any, Callable
 
 import numpy as np
 
-from ...errors import stop_iteration_error
+from ...examples.columns import ALONE, ref_counts
 from ...examples.fields import Field
 from ...examples.structure import Structure
 
@@ -38,14 +37,6 @@ def writable(structure: Structure) -> bool:
     return all(kind == "array" for kind in structure.kinds) and not structure.has_raw
 
 
-def _counts(values: list) -> list[int]:
-    return [sys.getrefcount(v) for v in values]
-
-
-# What _counts says of an array that only its list holds: calibrated on this interpreter.
-_ALONE = _counts([np.empty(1)])[0]
-
-
 class BatchBlocks:
     """Memory for batches of ``fields``, ``batch_size`` rows each, reused once
     nothing holds a batch's arrays any more (see the module docstring).
@@ -62,7 +53,7 @@ class BatchBlocks:
         """One array per field, ``batch_size`` rows each, that nothing else holds."""
         with self._lock:
             for arrays in self._sets:
-                if all(n == _ALONE for n in _counts(arrays)):
+                if all(n == ALONE for n in ref_counts(arrays)):
                     return list(arrays)
             arrays = [np.empty((self._batch_size, *f.shape), dtype=f.dtype) for f in self._fields]
             if len(self._sets) < _KEPT:
@@ -95,7 +86,8 @@ def release(memory: Any) -> None:
 def written(structure: Structure, blocks: BatchBlocks, indices: list[int],
             read_into: Callable[[int, Any], None]) -> list[np.ndarray]:
     """The examples at dataset ``indices`` written by ``read_into(index, out)``
-    into the rows of one batch's arrays: its leaves, ``len(indices)`` rows each.
+    (the source's reader's, dataecho.reading.dataset) into the rows of one
+    batch's arrays: its leaves, ``len(indices)`` rows each.
 
     Raises:
         ValueError: ``read_into`` kept ``out`` (or a view of it) after it returned.
@@ -104,13 +96,10 @@ def written(structure: Structure, blocks: BatchBlocks, indices: list[int],
     owners = [a.base for a in arrays]  # the pool's arrays: every view of a row references its own
     for row, index in enumerate(indices):
         views = [a[row, ...] for a in arrays]  # 0-d arrays for numbers, views all
-        before = _counts(owners)
-        try:
-            read_into(index, structure.unflatten(views))
-        except StopIteration as stop:
-            raise stop_iteration_error(stop, "source") from stop
+        before = ref_counts(owners)
+        read_into(index, structure.unflatten(views))
         # Kept: `out` itself (a row view held elsewhere too), or a view made from it (one more on its owner).
-        if any(n != _ALONE for n in _counts(views)) or _counts(owners) != before:
+        if any(n != ALONE for n in ref_counts(views)) or ref_counts(owners) != before:
             raise ValueError("read_into: kept its out array (or a view of it) after it returned; it must write "
                              "out's values and keep no reference to out")
     return arrays
