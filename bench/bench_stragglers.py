@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import subprocess
@@ -71,7 +72,8 @@ def rank_main(args: argparse.Namespace) -> None:
     stats = loader.stats() if hasattr(loader, "stats") else {}
     Path(args.out).write_text(json.dumps({"steps": steps, "wall_s": wall,
                                           "agree_s": stats.get("lockstep_wait_s", 0.0),
-                                          "echo": stats.get("echo_factor_achieved", 1.0)}))
+                                          "echo": stats.get("echo_factor_achieved", 1.0),
+                                          "most": (stats.get("repetition") or {}).get("max", 1)}))
     dist.destroy_process_group()
 
 
@@ -102,6 +104,7 @@ def run_job(kind: str, ranks: int, slow: float, examples: int) -> dict:
                 raise RuntimeError(f"{kind}: a rank failed (exit {proc.returncode})")
         results = [json.loads(out.read_text()) for out in outs]
     slowest = max(results, key=lambda r: r["wall_s"])
+    slowest = {**slowest, "most": max(r["most"] for r in results), "echo": max(r["echo"] for r in results)}
     assert len({r["steps"] for r in results}) == 1, f"{kind}: ranks took different step counts: {results}"
     return {**slowest, "agree_s": max(r["agree_s"] for r in results)}
 
@@ -135,11 +138,12 @@ def main() -> None:
             per_epoch = r["wall_s"] * fresh_steps / r["steps"]
             agree = r["agree_s"] / r["wall_s"]
             results["runs"].append({"slow": slow, "kind": kind, **r, "epoch_equivalent_s": per_epoch})
+            most = "-" if kind == "DataLoader" else f"{r['most']} (bound {math.ceil(r['echo']) + 1})"
             rows.append((f"x{slow:g}", kind, str(r["steps"]), f"{r['wall_s']:.2f}", f"{per_epoch:.2f}",
-                         f"{per_epoch / ideal_s:.2f}", f"{r['echo']:.2f}", f"{agree:.1%}"))
+                         f"{per_epoch / ideal_s:.2f}", f"{r['echo']:.2f}", most, f"{agree:.1%}"))
     print(f"ideal (no straggler, echo 1): {ideal_s:.2f} s per epoch of {fresh_steps} steps\n")
     common.print_table(("straggler", "loader", "steps", "wall s", "s per epoch of steps", "vs ideal",
-                        "echo", "agreement / wall"), rows)
+                        "echo", "most deliveries of an example", "agreement / wall"), rows)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -80,6 +80,7 @@ def auto_with_a_straggler(rank: int, world_size: int, arg: str) -> dict[str, Any
     stats = loader.stats()
     repeats = stats["lockstep_repeats"]
     return {"batches": len(batches), "counts": Counter(i for b in batches for i in b), "repeats": repeats,
+            "report": stats["this_epoch"]["repetition"],
             "echo_before_repeats": (stats["delivered"] - 8 * repeats) / stats["fresh"],
             "agreement_s": stats["lockstep_wait_s"], "wall_s": time.perf_counter() - started}
 

@@ -297,6 +297,10 @@ def test_auto_echo_keeps_the_ranks_in_lockstep_while_one_straggles(tmp_path):
     assert len(slow["counts"]) == len(fast["counts"]) == 200, "every example of each shard at least once"
     assert fast["repeats"] > slow["repeats"], "the fast rank repeats while the straggler's reads catch up"
     assert slow["echo_before_repeats"] > fast["echo_before_repeats"], "the straggler echoes more as it reads"
+    for rank in (slow, fast):  # each rank's repetition report, against what its loop received
+        times = list(rank["counts"].values())
+        assert rank["report"]["max"] == max(times)
+        assert rank["report"]["deliveries"][1:] == [times.count(c) for c in range(1, max(times) + 1)]
     # What the agreement costs is timed by bench/bench_stragglers.py, against a job without it.
 
 

@@ -37,6 +37,7 @@ NATIVE_TESTS = [
     "buffer_ragged",
     "buffer_ragged_modes",
     "buffer_ragged_blocking",
+    "spread",
 ]
 
 

@@ -32,3 +32,4 @@ def test_the_quickstart_runs_as_written_and_echoes_every_example_twice():
     assert stats["fresh"] == 2 * 8192, "two whole epochs read"
     assert stats["delivered"] == 2 * stats["fresh"], "each example delivered echo_factor=2 times"
     assert stats["echo_factor_achieved"] == 2.0
+    assert stats["repetition"]["deliveries"] == [0, 0, 0, 0, 8192], "each example 4 times over the two epochs"

@@ -8,6 +8,7 @@ namespace dataecho::py_binding {
 void register_types(pybind11::module_& m);
 void register_buffer(pybind11::module_& m);
 void register_producer(pybind11::module_& m);
+void register_ledger(pybind11::module_& m);
 }
 
 PYBIND11_MODULE(_core, m) {
@@ -23,4 +24,5 @@ PYBIND11_MODULE(_core, m) {
   dataecho::py_binding::register_types(m);
   dataecho::py_binding::register_buffer(m);
   dataecho::py_binding::register_producer(m);
+  dataecho::py_binding::register_ledger(m);
 }

@@ -210,7 +210,7 @@ class PyBuffer {
     return batch_arrays(lease, rows);
   }
 
-  // Deterministic buffers: the rows' sequence numbers of the batch next() returned last.
+  // The rows' sequence numbers of the batch next() returned last.
   py::array_t<std::uint64_t> last_seqs() const { return py::array_t<std::uint64_t>(last_seqs_.size(), last_seqs_.data()); }
 
   // With a key field: the keys of the examples freed while the last batch was assembled.

@@ -41,6 +41,8 @@ void register_config(py::module_& m) {
       .def_readwrite("echo_factor", &BufferConfig::echo_factor)
       .def_readwrite("auto_echo", &BufferConfig::auto_echo)
       .def_readwrite("max_echo", &BufferConfig::max_echo)
+      .def_readwrite("echo_gap", &BufferConfig::echo_gap)
+      .def_readwrite("paced", &BufferConfig::paced)
       .def_readwrite("seed", &BufferConfig::seed)
       .def_readwrite("drop_last", &BufferConfig::drop_last)
       .def_readwrite("prefetch", &BufferConfig::prefetch)

@@ -56,6 +56,7 @@ const Test kTests[] = {
     {"buffer_ragged", dataecho_test::test_buffer_ragged},
     {"buffer_ragged_modes", dataecho_test::test_buffer_ragged_modes},
     {"buffer_ragged_blocking", dataecho_test::test_buffer_ragged_blocking},
+    {"spread", dataecho_test::test_spread},
 };
 
 // ---------------------------------------------------------------------------

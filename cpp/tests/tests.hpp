@@ -39,6 +39,9 @@ std::string test_buffer_destroy();
 // test_page_heap.cpp
 std::string test_page_heap();
 
+// test_spread.cpp
+std::string test_spread();
+
 // test_buffer_ragged.cpp
 std::string test_buffer_ragged();
 std::string test_buffer_ragged_modes();

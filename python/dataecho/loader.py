@@ -1,18 +1,14 @@
-"""``EchoLoader``: data echoing for a training loop, in the three placements of
-Choi et al. (2019), with fractional and adaptive echo factors, and torch
-``DataLoader``'s signature.
+"""``EchoLoader``: data echoing for a training loop, in the three placements of Choi et al. (2019), with
+fractional and adaptive echo factors, and torch ``DataLoader``'s signature.
 
-The arguments are validated once into a
-:class:`dataecho.config.loader_config.LoaderConfig`, which the planner turns
-into per-stage specs (:mod:`dataecho.pipeline.plan`, where the chain of
-stages is drawn); each ``iter(loader)`` starts a
-:class:`dataecho.pipeline.epoch.Epoch`, which runs that chain: readers fill the
-echo buffer (the intake), batch echo, augment, the ranks' lockstep, and the
-delivery to a device; the loop gets NumPy, torch or JAX arrays
-(dataecho.examples.outputs).
+The arguments are validated once into a :class:`dataecho.config.loader_config.LoaderConfig`, which the planner
+turns into per-stage specs (:mod:`dataecho.pipeline.plan`, where the chain of stages is drawn); each
+``iter(loader)`` starts a :class:`dataecho.pipeline.epoch.Epoch`, which runs that chain: readers fill the echo
+buffer (the intake), batch echo, augment, the ranks' lockstep, and the delivery to a device; the loop gets NumPy,
+torch or JAX arrays (dataecho.examples.outputs).
 
-With a ``batch_sampler`` the intake reads its batches whole, in its order
-(no echo buffer), and echo repeats them whole (batch echoing).
+With a ``batch_sampler`` the intake reads its batches whole, in its order (no echo buffer), and echo repeats
+them whole (batch echoing).
 """
 
 from __future__ import annotations
@@ -53,6 +49,7 @@ _ATTRIBUTES: dict[str, Callable[[LoaderConfig], Any]] = {
     "echo_factor": lambda c: c.echo.setting,
     "echo_at": lambda c: c.echo.at,
     "max_echo": lambda c: c.echo.max_echo,
+    "echo_gap": lambda c: c.echo.gap,
     "rank": lambda c: c.shard.rank,
     "world_size": lambda c: c.shard.world_size,
     **{name: (lambda c, name=name: getattr(c, name)) for name in (
@@ -90,8 +87,9 @@ class EchoLoader:
             echoed whole; threads or ``num_workers=0``, no ``augment``.
         echo_factor: mean deliveries per example (or batch), a number >= 1
             (fractional: ``floor(e)`` or ``floor(e) + 1`` each), or ``"auto"``:
-            repeat only while the consumer would wait, up to about ``max_echo``.
-        echo_at, max_echo: ``"example"`` or ``"batch"`` (default with ``batch_sampler``); the cap with "auto".
+            repeat only while the consumer would wait, the least-delivered first.
+        echo_at, max_echo, echo_gap: ``"example"`` or ``"batch"`` (default with ``batch_sampler``); with "auto",
+            the most deliveries per example (``ceil``), and the fewest batches between two of one example.
         transform: per-example function of the workers, before the echo stage.
         augment: per-example function after the echo stage, anew on every
             repeat; called as ``augment(example, rng=...)`` where it takes
@@ -145,6 +143,7 @@ class EchoLoader:
         echo_factor: float | str = 2.0,
         echo_at: str | None = None,
         max_echo: float = 4.0,
+        echo_gap: int = 1,
         transform: Callable[[Any], Any] | None = None,
         augment: Callable[..., Any] | None = None,
         augment_workers: str | None = None,
@@ -163,12 +162,12 @@ class EchoLoader:
     ) -> None:
         self.config: LoaderConfig = loader_config(
             dataset=dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
-            num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last,
-            timeout=timeout, worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
-            generator=generator, prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-            pin_memory_device=pin_memory_device, echo_factor=echo_factor, echo_at=echo_at, max_echo=max_echo,
-            transform=transform, augment=augment, augment_workers=augment_workers, shuffle_buffer=shuffle_buffer,
-            seed=seed, deterministic=deterministic, worker_type=worker_type, output=output, device=device, rank=rank,
+            num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
+            worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context, generator=generator,
+            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, pin_memory_device=pin_memory_device,
+            echo_factor=echo_factor, echo_at=echo_at, max_echo=max_echo, echo_gap=echo_gap, transform=transform,
+            augment=augment, augment_workers=augment_workers, shuffle_buffer=shuffle_buffer, seed=seed,
+            deterministic=deterministic, worker_type=worker_type, output=output, device=device, rank=rank,
             world_size=world_size, ragged=ragged, ragged_bytes=ragged_bytes, padding=padding, jax_device=jax_device,
         )
         self._planner = Planner(self.config)  # the plan of its epochs, on its part of the job

@@ -24,6 +24,7 @@
 
 #include "dataecho/batch_pool.hpp"
 #include "dataecho/buffer_config.hpp"
+#include "dataecho/delivered_pool.hpp"
 #include "dataecho/layout.hpp"
 #include "dataecho/memory.hpp"
 #include "dataecho/ordered_intake.hpp"
@@ -58,6 +59,7 @@ class Assembler {
         desk_(desk),
         echoes_(config.auto_echo ? config.max_echo : config.echo_factor),
         reservoir_(config.capacity, config.in_order),
+        delivered_(config.auto_echo ? config.capacity : 0, config.echo_gap),
         rng_(config.seed),
         // Deterministic: the window's slots stay free for examples that wait out of order.
         full_(std::max({config.batch_size, config.capacity - (config.deterministic ? config.window : config.batch_size),
@@ -68,6 +70,7 @@ class Assembler {
   const RegionView& region() const noexcept { return region_; }
   Reservoir& reservoir() noexcept { return reservoir_; }
   const Reservoir& reservoir() const noexcept { return reservoir_; }
+  DeliveredPool& delivered() noexcept { return delivered_; }  // auto echo only
   Rng& rng() noexcept { return rng_; }
   const Rng& rng() const noexcept { return rng_; }
   OrderedIntake& ordered() noexcept { return ordered_; }
@@ -193,7 +196,7 @@ class Assembler {
   // last batch's, for ragged fields).
   Batch new_batch(std::size_t rows) {
     Batch batch{pool_.lease(), rows, {}, {}, {}};
-    if (config_.deterministic) batch.seqs.reserve(rows);  // one allocation per batch, not per row
+    batch.seqs.reserve(rows > 0 ? rows : config_.batch_size);  // one allocation per batch, not per row
     for (std::size_t r = 0; r < values_hint_.size(); ++r) {
       layout_.offsets(batch.lease->data(), layout_.ragged_fields()[r])[0] = 0;
       batch.lease->reserve_values(r, values_hint_[r] + values_hint_[r] / 8);
@@ -205,7 +208,7 @@ class Assembler {
     const std::byte* slot = region_.arena.slot(draw.slot);
     layout_.gather(slot, region_.refs(draw.slot), batch.lease->data(), row);
     if (!values_hint_.empty()) gather_ragged(slot, batch, row);
-    if (config_.deterministic) batch.seqs.push_back(region_.slot_seq[draw.slot]);  // for snapshots
+    batch.seqs.push_back(region_.slot_seq[draw.slot]);  // for snapshots and the delivery ledger
     if (draw.last) release_slot(draw.slot);
   }
 
@@ -255,6 +258,7 @@ class Assembler {
     // relaxed: statistics. With auto echo, unspent budget is not a loss.
     if (!config_.auto_echo) dropped_.fetch_add(reservoir_.echoes_left(), std::memory_order_relaxed);
     reservoir_.clear([this](std::uint32_t slot) { release_slot(slot); });
+    delivered_.clear([this](std::uint32_t slot) { release_slot(slot); });
     region_.free->not_empty().notify_all();
     publish_resident();
     ready_.finish(nullptr, std::move(unheld_));
@@ -304,7 +308,7 @@ class Assembler {
   }
 
   void publish_resident() noexcept {
-    resident_.store(reservoir_.size(), std::memory_order_relaxed);  // relaxed: statistics
+    resident_.store(reservoir_.size() + delivered_.size(), std::memory_order_relaxed);  // relaxed: statistics
   }
 
   // ---- counters for stats() (any thread) ----
@@ -328,6 +332,7 @@ class Assembler {
   const EchoCounts echoes_;
 
   Reservoir reservoir_;
+  DeliveredPool delivered_;  // auto echo: the examples delivered that have echoes left
   Rng rng_;
   OrderedIntake ordered_;
   const std::size_t full_;

@@ -235,7 +235,7 @@ class BatchPool : public std::enable_shared_from_this<BatchPool> {
 struct Batch {
   std::shared_ptr<BatchPool::Lease> lease;
   std::size_t rows = 0;
-  std::vector<std::uint64_t> seqs;      // each row's sequence number (for checkpoints)
+  std::vector<std::uint64_t> seqs;      // each row's sequence number (checkpoints, the delivery ledger)
   std::vector<std::uint64_t> released;  // keys of examples freed while it was assembled (see BufferConfig::key_field)
   std::vector<std::uint64_t> unheld;    // owner handles of held values freed meanwhile (see layout.hpp)
 };

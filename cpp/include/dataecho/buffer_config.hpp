@@ -28,6 +28,11 @@ struct BufferConfig {
   double echo_factor = 1.0;  // fixed: each example is delivered floor(e) or floor(e) + 1 times
   bool auto_echo = false;    // instead: repeat only while the consumer would wait (see auto_policy.hpp)
   double max_echo = 4.0;     // auto: per-example budget, drawn like a fixed factor
+  std::uint64_t echo_gap = 1;  // auto: an example delivered in batch k is repeated from batch k + echo_gap on
+  // Auto: repeat only while the consumer is blocked in next(), not as soon as
+  // the ready queue runs empty: for a consumer that reads the input itself
+  // between its batches (num_workers=0), and so is not waiting then.
+  bool paced = false;
   std::uint64_t seed = 0;
   bool drop_last = false;
   std::size_t prefetch = 2;
@@ -98,6 +103,7 @@ inline BufferConfig validated(BufferConfig config) {
   DATAECHO_CHECK(config.prefetch >= 1);
   DATAECHO_CHECK(config.echo_factor >= 1.0 && config.echo_factor < kMaxEcho);
   DATAECHO_CHECK(config.max_echo >= 1.0 && config.max_echo < kMaxEcho);
+  DATAECHO_CHECK(config.echo_gap >= 1);
   DATAECHO_CHECK(!((config.deterministic || config.exact_echo) && config.auto_echo));
   // Deterministic intake: up to window - 1 examples wait out of order beside
   // the resident ones (at most capacity - window): both must fit, and a batch.

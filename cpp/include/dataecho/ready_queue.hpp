@@ -90,27 +90,44 @@ class ReadyQueue {
 
   // Consumer: the next batch, the end of the stream (with, the first time,
   // `out.unheld`: see finish), or a timeout. Rethrows the assembler's error
-  // once the batches before it are consumed.
+  // once the batches before it are consumed. While it blocks (a deadline not
+  // yet passed, nothing queued) it counts as waiting (see waiting()) and wakes
+  // the assembler through `on_pop` once.
   Pop pop(Batch& out, Deadline deadline) {
     Pop result = Pop::kTimeout;
     std::exception_ptr error;
+    bool counted = false;
     block_until(ready_, deadline, [&] {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (!batches_.empty() && !stopped_) {
-        out = std::move(batches_.front());
-        batches_.pop_front();
-        result = Pop::kBatch;
-        return true;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!batches_.empty() && !stopped_) {
+          out = std::move(batches_.front());
+          batches_.pop_front();
+          result = Pop::kBatch;
+          // Under the lock that emptied the queue: an assembler that then sees it
+          // empty (size(), under the lock) sees this consumer not waiting.
+          if (counted) waiting_.fetch_sub(1, std::memory_order_seq_cst);
+          counted = false;
+          return true;
+        }
+        if (finished_ || stopped_) {
+          error = stopped_ ? nullptr : error_;
+          out.unheld = std::move(unheld_at_end_);
+          unheld_at_end_.clear();
+          result = Pop::kEnd;
+          return true;
+        }
       }
-      if (finished_ || stopped_) {
-        error = stopped_ ? nullptr : error_;
-        out.unheld = std::move(unheld_at_end_);
-        unheld_at_end_.clear();
-        result = Pop::kEnd;
-        return true;
+      if (!counted && !deadline.expired()) {
+        // seq_cst: pairs with the assembler's re-check of waiting() after its
+        // prepare_wait on the event count notified here (the EventCount protocol).
+        waiting_.fetch_add(1, std::memory_order_seq_cst);
+        counted = true;
+        if (on_pop_ != nullptr) on_pop_->notify_all();
       }
       return false;
     });
+    if (counted) waiting_.fetch_sub(1, std::memory_order_seq_cst);  // seq_cst: as the increment
     if (result == Pop::kBatch) {
       room_.notify_all();
       if (on_pop_ != nullptr) on_pop_->notify_all();
@@ -124,6 +141,11 @@ class ReadyQueue {
     return batches_.size();
   }
 
+  // Consumers blocked in pop() now (see pop). seq_cst: see there. Read after
+  // size() found the queue empty, a consumer that has taken the last batch no
+  // longer counts (it stops counting under the lock with which it took it).
+  std::size_t waiting() const noexcept { return waiting_.load(std::memory_order_seq_cst); }
+
  private:
   const std::size_t limit_;
   EventCount* const on_pop_;
@@ -133,6 +155,7 @@ class ReadyQueue {
   bool stopped_ = false;
   std::exception_ptr error_;
   std::vector<std::uint64_t> unheld_at_end_;  // see finish
+  std::atomic<std::size_t> waiting_{0};       // consumers blocked in pop()
   EventCount ready_;  // batches_ non-empty, finished_ or stopped_
   EventCount room_;   // batches_.size() < limit_ or stopped_
 };

@@ -3,10 +3,10 @@
 // (the assembler), so it holds no atomics.
 //
 // Invariants, with f = fresh(), a = available(), n = size():
-//   slots_[0, f)   resident, never delivered, not drawn in this batch (auto echo only;
-//                  with a fixed echo factor f stays 0 and every example is "seen");
-//   slots_[f, a)   resident, delivered before or fixed-echo, not drawn in this batch;
-//   slots_[a, n)   resident and already drawn in the current batch;
+//   slots_[0, f)   auto echo: resident, never delivered (then f == a == n: the
+//                  delivered ones live in a DeliveredPool); fixed echo: f stays 0;
+//   slots_[f, a)   fixed echo: resident, not drawn in this batch;
+//   slots_[a, n)   fixed echo: resident and already drawn in the current batch;
 //   echoes_[s] >= 1 for every resident slot s, and echoes_left() is their sum.
 // A draw picks uniformly in its region and moves the pick to the drawn side, so a
 // batch repeats an example only once every resident one has been drawn, which
@@ -54,7 +54,7 @@ class Reservoir {
     ++size_;
   }
 
-  // A new example that draw_fresh() prefers until its first delivery (auto echo).
+  // A new example, until its first delivery (auto echo: see remove_fresh()).
   void add_fresh(std::uint32_t slot, std::uint32_t echoes) noexcept {
     DATAECHO_CHECK(!in_order_);
     admit(slot, echoes);
@@ -93,25 +93,20 @@ class Reservoir {
     return {slot, true};
   }
 
-  // Uniform among the never-delivered examples; requires fresh() > 0.
-  Draw draw_fresh(Rng& rng) noexcept {
-    DATAECHO_CHECK(fresh_ > 0);
+  // Auto echo, where every resident example is fresh (the delivered ones live
+  // in a DeliveredPool): takes a uniformly chosen one out for its first
+  // delivery. Returns its slot and its whole budget of echoes.
+  std::pair<std::uint32_t, std::uint32_t> remove_fresh(Rng& rng) noexcept {
+    DATAECHO_CHECK(fresh_ > 0 && fresh_ == size_ && !in_order_);
     const std::size_t pick = rng.below(fresh_);
-    // Move the pick to the end of the fresh region, then across the seen region
-    // to the end of the drawable part, where take() expects it.
-    std::swap(slots_[pick], slots_[fresh_ - 1]);
-    std::swap(slots_[fresh_ - 1], slots_[available_ - 1]);
+    const std::uint32_t slot = slots_[pick];
+    slots_[pick] = slots_[size_ - 1];
     --fresh_;
-    return take(available_ - 1);
-  }
-
-  // Uniform among the delivered-before examples not yet drawn in this batch;
-  // when there are none but residents exist, they become drawable again (a
-  // repeat within the batch is then unavoidable). Requires size() > fresh().
-  Draw draw_seen(Rng& rng) noexcept {
-    DATAECHO_CHECK(size_ > fresh_);
-    if (available_ == fresh_) reopen_seen();
-    return take(fresh_ + rng.below(available_ - fresh_));
+    --size_;
+    available_ = size_;
+    const std::uint32_t echoes = std::exchange(echoes_[slot], 0);
+    echoes_left_ -= echoes;
+    return {slot, echoes};
   }
 
   // The resident slots in array order (draws depend on it) with their echo counts.
@@ -144,21 +139,6 @@ class Reservoir {
     echoes_left_ = 0;
   }
 
-  // Frees a uniformly chosen delivered-before example with echoes left (auto
-  // echo, to make room for fresh ones); only between batches (available() ==
-  // size()). Returns the slot and the echoes it gave up.
-  std::pair<std::uint32_t, std::uint32_t> evict_seen(Rng& rng) noexcept {
-    DATAECHO_CHECK(available_ == size_ && size_ > fresh_ && !in_order_);
-    const std::size_t pick = fresh_ + rng.below(size_ - fresh_);
-    const std::uint32_t slot = slots_[pick];
-    const std::uint32_t echoes = std::exchange(echoes_[slot], 0);
-    echoes_left_ -= echoes;
-    slots_[pick] = slots_[size_ - 1];
-    --size_;
-    --available_;
-    return {slot, echoes};
-  }
-
  private:
   void admit(std::uint32_t slot, std::uint32_t echoes) noexcept {
     DATAECHO_CHECK(size_ < slots_.size() && slot < echoes_.size() && echoes >= 1 && echoes_[slot] == 0);
@@ -171,9 +151,6 @@ class Reservoir {
     i += head_;
     return i >= slots_.size() ? i - slots_.size() : i;
   }
-
-  // The drawn-this-batch examples become drawable again, as seen ones.
-  void reopen_seen() noexcept { available_ = size_; }
 
   // Draws the example at `pick`, which is in [fresh_, available_) or was just
   // moved to available_ - 1: it moves to the drawn side.

@@ -23,22 +23,26 @@ class Echo:
         at: ``"example"`` (the echo buffer repeats examples) or ``"batch"``
             (whole batches are repeated).
         max_echo: with "auto", the cap on deliveries per example (batch).
+        gap: with "auto" per example, the fewest batches between two
+            deliveries of an example.
     """
 
     factor: float | None
     at: str
     max_echo: float
+    gap: int = 1
 
     @classmethod
-    def of(cls, echo_factor: Any, echo_at: Any, max_echo: Any) -> Echo:
-        """Validates EchoLoader's three echo arguments.
+    def of(cls, echo_factor: Any, echo_at: Any, max_echo: Any, echo_gap: Any = 1) -> Echo:
+        """Validates EchoLoader's echo arguments.
 
         Raises:
             TypeError, ValueError: a bad argument, named in the message.
         """
         factor = _checks.echo_factor(echo_factor)
         return cls(None if factor == "auto" else factor, _checks.choice("echo_at", echo_at, ("example", "batch")),
-                   _checks.real("max_echo", max_echo, 1.0, _core.MAX_ECHO))
+                   _checks.real("max_echo", max_echo, 1.0, _core.MAX_ECHO),
+                   _checks.positive_int("echo_gap", echo_gap, 1 << 32))
 
     @property
     def auto(self) -> bool:

@@ -167,8 +167,8 @@ class LoaderConfig:
 def loader_config(*, dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, batch_sampler: Any,
                   num_workers: Any, collate_fn: Any, pin_memory: Any, drop_last: Any, timeout: Any,
                   worker_init_fn: Any, multiprocessing_context: Any, generator: Any, prefetch_factor: Any,
-                  persistent_workers: Any, pin_memory_device: Any, echo_factor: Any, echo_at: Any,
-                  max_echo: Any, transform: Any, augment: Any, augment_workers: Any, shuffle_buffer: Any, seed: Any,
+                  persistent_workers: Any, pin_memory_device: Any, echo_factor: Any, echo_at: Any, max_echo: Any,
+                  echo_gap: Any, transform: Any, augment: Any, augment_workers: Any, shuffle_buffer: Any, seed: Any,
                   deterministic: Any, worker_type: Any, output: Any, device: Any, rank: Any, world_size: Any,
                   ragged: Any, ragged_bytes: Any, padding: Any, jax_device: Any) -> LoaderConfig:
     """Validates ``EchoLoader``'s arguments, as given (see its docstring).
@@ -187,7 +187,8 @@ def loader_config(*, dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, 
     asked = None if deterministic is None else _checks.flag("deterministic", deterministic)
     shard = resolve_shard(rank, world_size)
     seed, seed_given = _check_seed(seed, generator, shard)
-    echo = _check_echo(Echo.of(echo_factor, default_echo_at(echo_at, batch_sampler), max_echo), asked is True)
+    echo = _check_echo(Echo.of(echo_factor, default_echo_at(echo_at, batch_sampler), max_echo, echo_gap),
+                       asked is True)
     # A batch sampler decides the order (shuffle False, as in DataLoader).
     sampler, shuffle = _check_sampler(sampler, False if batch_sampler is not None else shuffle, dataset)
     # shuffle=False at echo 1: batches in reading order, which deterministic intake gives.

@@ -46,20 +46,30 @@ def _final(run: Run) -> float:
 
 def rows(runs: list[Run], metric: Metric = ACCURACY) -> tuple[list[str], list[list[str]]]:
     """The table's header and its rows, as text cells (one row per run): time to
-    the target, fresh input, steps, the final measure, speed-up over the first run."""
+    the target, fresh input, steps, the final measure, speed-up over the first
+    run, and how many times an example was delivered over the run (mean, most)."""
     base = runs[0].reached[0] if runs and runs[0].reached else math.nan
-    header = ["configuration", "time to target", metric.fresh, "steps", f"final {metric.short}", "speed-up"]
+    header = ["configuration", "time to target", metric.fresh, "steps", f"final {metric.short}", "speed-up",
+              "deliveries per example (mean, most)"]
     cells = []
     for run in runs:
         if run.reached:
             seconds, fresh, steps, _ = run.reached
             cells.append([run.config.name, f"{seconds:.1f} s", f"{fresh:,}", f"{steps:,}",
-                          f"{_final(run):.3f}", f"{base / seconds:.2f}x" if base == base else "-"])
+                          f"{_final(run):.3f}", f"{base / seconds:.2f}x" if base == base else "-", _repeats(run)])
         else:
             last = run.history[-1] if run.history else (0.0, 0, 0, 0.0)
             cells.append([run.config.name, f"> {last[0]:.0f} s (not reached)", f"{last[1]:,}", f"{last[2]:,}",
-                          f"{_final(run):.3f}", "-"])
+                          f"{_final(run):.3f}", "-", _repeats(run)])
     return header, cells
+
+
+def _repeats(run: Run) -> str:
+    """Deliveries per example over the run (the loader's repetition report), or "-" where it has none."""
+    repetition = run.stats.get("repetition")
+    if not repetition or not repetition["max"]:
+        return "-"
+    return f"{repetition['mean']:.2f}, {repetition['max']}"
 
 
 def table(runs: list[Run], target: float, metric: Metric = ACCURACY) -> str:
@@ -79,13 +89,14 @@ def table(runs: list[Run], target: float, metric: Metric = ACCURACY) -> str:
 
 
 def plot(runs: list[Run], target: float, path: Path, title: str, metric: Metric = ACCURACY) -> Path:
-    """The validation measure against wall time and against fresh input, one line per run."""
+    """The validation measure against wall time and against fresh input, one line per run; and how many
+    examples each run delivered 1, 2, 3, ... times (its loader's repetition report)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (by_time, by_fresh) = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
+    figure, (by_time, by_fresh, by_times) = plt.subplots(1, 3, figsize=(17, 4.5), constrained_layout=True)
     for run in runs:
         seconds = [r[0] for r in run.history]
         fresh = [r[1] for r in run.history]
@@ -93,6 +104,13 @@ def plot(runs: list[Run], target: float, path: Path, title: str, metric: Metric 
         style = {"linewidth": 2.2 if run is runs[0] else 1.6, "label": run.config.name}
         by_time.plot(seconds, value, **style)
         by_fresh.plot(fresh, value, **style)
+        deliveries = (run.stats.get("repetition") or {}).get("deliveries", [])
+        if len(deliveries) > 1:
+            by_times.plot(range(1, len(deliveries)), deliveries[1:], marker="o", **style)
+    by_times.set_xlabel("times delivered over the run")
+    by_times.set_ylabel("examples")
+    by_times.set_title("repetition: examples by times delivered")
+    by_times.grid(alpha=0.3)
     # The curves' last stretch, where the target is crossed: accuracy up to 1,
     # a loss from well above the target (its first evaluations are far higher).
     limits = (max(0.0, target - 0.25), 1.0) if metric.higher_is_better else (max(0.0, target - 0.25), target + 0.8)

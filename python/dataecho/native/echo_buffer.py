@@ -69,6 +69,7 @@ class NativeBuffer:
         config.hold_min_bytes = self._hold.min_bytes
         self.page_bytes = config.page_bytes  # of the page heap for ragged values (0: none)
         self.capacity = config.capacity
+        self.paced = config.paced  # auto echo for a consumer that reads (dataecho.workers.inline_reader)
         self._map = LeafMap(fields, objects)
         self.codec = self._map.codec
         if self.codec is not None and self.codec.mode == "key":
@@ -206,7 +207,7 @@ class NativeBuffer:
 
     @property
     def last_seqs(self) -> np.ndarray:
-        """Deterministic buffers: each row's sequence number, for the last batch."""
+        """Each row's sequence number (its position in the reading order), for the last batch."""
         return self._core.last_seqs
 
     def snapshot(self, timeout_s: float | None = None) -> _core.Snapshot:

@@ -41,6 +41,12 @@ once it gave it, under ``stages["intake"]["sampler"]`` (dataecho.reading.statefu
 a stateful map-style dataset's own ``state_dict()`` goes under the state's
 ``"dataset"``. These two are kept as their owners gave them.
 
+The epoch's delivery ledger (dataecho.pipeline.progress.repetition) goes
+under ``stages["ledger"]``: each position's deliveries and last batch (packed,
+compressed) and the gaps between repeats, so that a resumed epoch's repetition
+report counts what was delivered before the state too. A state resumed on
+another rank or world size, or moved to another epoch, starts its ledger anew.
+
 A batch is named by ``{"rows": positions}``, and after augment also by
 ``"deliveries"`` (each row's delivery number, the key of its generator). A
 stage restores its own batches that were on their way downstream when the
@@ -61,6 +67,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..examples.described import described
+from .progress.repetition import checked_ledger
 
 __all__ = ["FORMAT", "Iterated", "StateCheck", "array_at", "at", "batches_at", "bool_at", "check_state", "compact",
            "dict_at", "earliest", "history_of", "ids_of", "int_at", "mapping", "named_rows", "plain", "prune",
@@ -126,10 +133,12 @@ def check_state(state: Any, fingerprint: dict[str, Any], checks: dict[str, State
         order = order_of(epoch, saved)
         if order is None:  # an iterable: its examples are named by position, up to where intake had read
             order = Iterated(int_at(intake, "next_seq", at("intake")))
-        if set(stages) != set(checks):
+        if set(stages) - {"ledger"} != set(checks):
             raise ValueError(f"state['stages']: expected the stages {list(checks)}, got {sorted(stages)}")
         out["stages"] = {name: check(dict_at(stages, name, "state['stages']"), order, at(name))
                          for name, check in checks.items()}
+    if "ledger" in stages:
+        out["stages"]["ledger"] = checked_ledger(stages["ledger"], "state['stages']['ledger']")
     if "restart" in intake:
         out["stages"]["intake"]["restart"] = _restart(intake["restart"], earliest(out["stages"]))
     return out

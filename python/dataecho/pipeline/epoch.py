@@ -26,6 +26,7 @@ from ..examples.structure import Structure
 from .epoch_stages import EpochStages
 from .output import output_of
 from .plan import Plan
+from .progress.repetition import Ledger
 from .stages.stage import Batch, weakly
 from .stages.written import release  # the loader frees the memory its epochs kept with it
 
@@ -81,6 +82,9 @@ class Epoch:
         self._run(epoch, structure, resume)
 
     def _run(self, epoch: int, structure: Structure | None, resume: dict[str, Any] | None) -> None:
+        # Every delivered row, by position (dataecho.pipeline.progress.repetition); a resume's ledger goes on.
+        self._ledger = Ledger((resume or {}).get("ledger"))
+        resume = {name: state for name, state in resume.items() if name != "ledger"} if resume else resume
         try:
             self._stages = EpochStages(self._plan, epoch, structure, resume, weakly(self.abort), self._pool,
                                        self._memory, self._group, self._on_structure)
@@ -171,6 +175,7 @@ class Epoch:
             self._wait_s += time.perf_counter() - start
         self.taken += 1
         self._delivered += len(batch)
+        self._ledger.add(batch.rows)
         self._stages.prune()
         return output_of(self._spec, batch)
 
@@ -189,28 +194,33 @@ class Epoch:
     # ---- checkpoints and counters ----
 
     def state(self, lock_timeout_s: float = -1) -> dict[str, Any] | None:
-        """{stage name: state} between two batches, or None before the first
-        batch (the epoch's start); see Chain.state.
+        """{stage name: state} between two batches, with the delivery ledger
+        under "ledger", or None before the first batch (the epoch's start); see Chain.state.
 
         Raises:
             ValueError: a stage whose state cannot be saved, with its reason.
         """
-        return self._stages.state(lock_timeout_s)
+        stages = self._stages.state(lock_timeout_s)
+        return None if stages is None else {**stages, "ledger": self._ledger.state()}
 
     def counters(self) -> dict[str, Any]:
         """This epoch's counters (see dataecho.pipeline.progress.stats), from every stage."""
         stages = self._stages.counters() if self._stages is not None else {}
+        fresh = stages.get("fresh", 0)
         return {
             "epoch": self.epoch,
             "state": self._state,
-            "fresh": stages.get("fresh", 0),
+            "fresh": fresh,
             "delivered": self._delivered,
+            "distinct": self._ledger.distinct,
+            "repetition": self._ledger.report(fresh),
             "batches": self.taken,
             **{key: stages.get(key, 0) for key in ("fresh_batches", "delivered_batches", "augmented",
                                                    "lockstep_repeats", "lockstep_wait_s")},
             "wait_s": self._wait_s,
             "active_s": time.perf_counter() - self._started,
             "memory": stages.get("memory"),
+            "ledger": (self._ledger, self._stages.source if self._stages is not None else None),
         }
 
     def worker_counters(self) -> list[dict[str, float]]:

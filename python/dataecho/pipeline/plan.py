@@ -288,7 +288,7 @@ def _intake(config: LoaderConfig, source: SourceSpec, exact: bool) -> IntakeSpec
         source=source, workers=_workers(config, capacity), capacity=capacity, bounded=config.map_style,
         batch_size=batch,
         echo_factor=echo.factor if echo.per_example and not echo.auto else 1.0,
-        auto_echo=echo.per_example and echo.auto, max_echo=echo.max_echo,
+        auto_echo=echo.per_example and echo.auto, max_echo=echo.max_echo, echo_gap=echo.gap,
         # With augment, its output buffer decides what a short last batch means.
         drop_last=config.drop_last and config.augment is None, prefetch=config.prefetch,
         # Batch echoing: batches flow from the first one on; the example

@@ -7,13 +7,16 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ...reading.sampled import LazyOrder
+from .repetition import Seen
+
 __all__ = ["Totals", "logger"]
 
 logger = logging.getLogger("dataecho")
 logger.addHandler(logging.NullHandler())  # a library prints nothing unless asked
 
-_SUMMED = ("fresh", "delivered", "batches", "fresh_batches", "delivered_batches", "augmented", "wait_s", "active_s",
-           "lockstep_repeats", "lockstep_wait_s")
+_SUMMED = ("fresh", "delivered", "distinct", "batches", "fresh_batches", "delivered_batches", "augmented", "wait_s",
+           "active_s", "lockstep_repeats", "lockstep_wait_s")
 
 
 def _figures(counters: dict[str, float]) -> dict[str, Any]:
@@ -29,7 +32,8 @@ def _figures(counters: dict[str, float]) -> dict[str, Any]:
         "lockstep_repeats": counters["lockstep_repeats"],
         "lockstep_wait_s": counters["lockstep_wait_s"],
         "seconds": active,
-        "echo_factor_achieved": counters["delivered"] / fresh if fresh else 0.0,
+        "distinct": counters["distinct"],
+        "echo_factor_achieved": counters["delivered"] / counters["distinct"] if counters["distinct"] else 0.0,
         "upstream_examples_per_s": fresh / active if active > 0 else 0.0,
         "consumer_wait_fraction": counters["wait_s"] / active if active > 0 else 0.0,
     }
@@ -43,6 +47,7 @@ class Totals:
         self._last: dict[str, Any] | None = None  # the last ended epoch's counters
         self._workers: list[dict[str, float]] = []
         self._ended = {"complete": 0, "stopped": 0, "failed": 0}
+        self._seen = Seen()
 
     def add(self, counters: dict[str, Any], workers: list[dict[str, float]]) -> None:
         """An epoch has ended with these counters (see Epoch.counters), and is logged."""
@@ -50,8 +55,12 @@ class Totals:
             self._sums[key] += counters[key]
         self._last, self._workers = counters, workers
         self._ended[counters["state"]] += 1
+        ledger, source = counters["ledger"]
+        if ledger.distinct:
+            order = None if source is None else source.order
+            self._seen.add(ledger, order.read if isinstance(order, LazyOrder) else order, ledger.extent())
         if logger.isEnabledFor(logging.INFO):
-            figures = _figures(counters)
+            figures = {**_figures(counters), "repetition": counters["repetition"]}
             logger.info(epoch_line(counters["epoch"], counters["state"], figures),
                         extra={"dataecho": flatten({"epoch": counters["epoch"], **figures}, "dataecho/epoch/")})
 
@@ -71,16 +80,23 @@ class Totals:
             several ranks, the batches this rank repeated once its shard was
             delivered, while other ranks finished theirs, and the seconds its
             consumer spent in the ranks' agreement (dataecho.pipeline.stages.lockstep);
-            echo_factor_achieved: delivered / fresh;
+            distinct: examples delivered at least once (summed over epochs);
+            echo_factor_achieved: delivered / distinct: the mean number of
+            times an example delivered was delivered (at least 1; examples
+            read ahead and never delivered do not lower it);
             upstream_examples_per_s: fresh examples per second of iteration;
             consumer_wait_fraction: share of iteration time spent waiting in next();
             epoch: the current (or last) epoch's number;
+            repetition: deliveries per example of the dataset over the epochs
+            that ended (dataecho.pipeline.progress.repetition, Seen.report);
             epochs: how many epochs ended: ``complete`` (read to the end),
             ``stopped`` (left early, closed, or ended by a later iter(loader):
             their read-ahead counts in fresh) and ``failed``;
             this_epoch: the same figures for the current epoch alone (or the
             last one, if none is running), with its ``epoch`` number and
-            ``state``: "running", "complete", "stopped" or "failed", and
+            ``state``: "running", "complete", "stopped" or "failed", its
+            ``repetition`` (deliveries per example, the distances between
+            repeats: Ledger.report there), and
             ``memory``: the echo buffer's ``resident`` examples (``held``: in
             its slots, on their way in too), ``slot_bytes`` per example, and the
             bytes of ragged values held (``ragged_bytes_in_use``) out of its
@@ -102,9 +118,10 @@ class Totals:
             for key in _SUMMED:
                 sums[key] += this[key]
             workers = current.worker_counters()
-        stats = {**_figures(sums), "epoch": epoch, "epochs": dict(self._ended),
+        stats = {**_figures(sums), "epoch": epoch, "epochs": dict(self._ended), "repetition": self._seen.report(),
                  "this_epoch": None if this is None else {"epoch": this["epoch"], "state": this["state"],
-                                                          **_figures(this), "memory": this.get("memory")},
+                                                          **_figures(this), "repetition": this["repetition"],
+                                                          "memory": this.get("memory")},
                  "workers": workers}
         return flatten(stats, prefix) if flat else stats
 
@@ -131,9 +148,20 @@ def flatten(stats: dict[str, Any], prefix: str) -> dict[str, float]:
 
 
 def epoch_line(epoch: int, state: str, figures: dict[str, Any]) -> str:
-    """The log line of an ended epoch."""
+    """The log line of an ended epoch (``figures``: its, with its ``repetition``)."""
     how = {"complete": "", "stopped": " (stopped early)", "failed": " (failed)"}[state]
     return (f"epoch {epoch}{how}: {figures['fresh']} fresh, {figures['delivered']} delivered examples "
             f"(echo factor {figures['echo_factor_achieved']:.2f}) in {figures['batches']} batches, "
             f"{figures['seconds']:.1f} s; input {figures['upstream_examples_per_s']:.0f} examples/s; "
-            f"the loop waited {100 * figures['consumer_wait_fraction']:.1f}% of the time")
+            f"the loop waited {100 * figures['consumer_wait_fraction']:.1f}% of the time; "
+            f"{repetition_line(figures['repetition'])}")
+
+
+def repetition_line(repetition: dict[str, Any]) -> str:
+    """An epoch's repetition report in words."""
+    counts = ", ".join(f"{n} x{times}" for times, n in enumerate(repetition["deliveries"]) if n)
+    line = f"examples delivered: {counts or 'none'} (at most {repetition['max']} times each)"
+    if repetition["gap_min"] is None:
+        return line + ", no repeats"
+    return (line + f"; repeats at least {repetition['gap_min']} batches apart, "
+            f"{repetition['gap_p05']} at the 5th percentile")

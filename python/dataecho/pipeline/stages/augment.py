@@ -137,7 +137,6 @@ class AugmentStage:
             "saving a position mid-epoch with augment needs augment to accept a keyword argument rng "
             "(def augment(example, rng): ...; draw its randomness from that numpy Generator) so that "
             "its output can be recomputed on resume")
-        self._track = spec.exact  # rows carry positions
         self._failure, self._on_failure, self._pull_lock = failure, on_failure, pull_lock
         self._output_config = buffer_config(
             capacity=spec.capacity, batch_size=spec.batch_size, seed=resources.seeds.augment, drop_last=spec.drop_last,
@@ -186,9 +185,7 @@ class AugmentStage:
         return self._batch_of(output.next_arrays(timeout_s))
 
     def _batch_of(self, arrays: tuple) -> Batch:
-        """The batch the output just yielded, with its rows' positions where they are tracked."""
-        if not self._track:
-            return Batch(self.out_structure, arrays)
+        """The batch the output just yielded, with its rows' positions."""
         deliveries = self.output.last_seqs
         rows = np.array([self._positions.pop(d) for d in deliveries.tolist()], dtype=np.uint64)
         return Batch(self.out_structure, arrays, rows, deliveries)
@@ -318,8 +315,7 @@ class AugmentStage:
             first = self._taken
             self._taken += len(batch)
             deliveries = np.arange(first, self._taken, dtype=np.uint64)
-            if self._track:
-                self._positions.update(zip(deliveries.tolist(), batch.rows.tolist()))
+            self._positions.update(zip(deliveries.tolist(), batch.rows.tolist()))
             return _Task(batch.arrays, batch.rows, deliveries)
 
     def _augmented(self, task: _Task, rng: DeliveryRng | None) -> Any:

@@ -52,7 +52,7 @@ class IntakeSpec:
         source, workers: what is read, and who reads it.
         capacity: the echo buffer's slots; ``bounded``: no more than the
             epoch's examples (map-style), with room for a reorder window.
-        batch_size, echo_factor, auto_echo, max_echo, drop_last, prefetch,
+        batch_size, echo_factor, auto_echo, max_echo, echo_gap, drop_last, prefetch,
             initial, deterministic, exact_echo, in_order: the echo buffer's
             settings (see ``_core.BufferConfig``).
         ragged_bytes: the page heap's budget for ragged values, or None (sized
@@ -70,6 +70,7 @@ class IntakeSpec:
     echo_factor: float
     auto_echo: bool
     max_echo: float
+    echo_gap: int
     drop_last: bool
     prefetch: int
     initial: int
@@ -150,7 +151,8 @@ class IntakeStage:
             pages = min(-(-saved_bytes // page_bytes), _core.MAX_PAGES)
         return buffer_config(
             capacity=capacity, pages=pages, page_bytes=page_bytes, batch_size=spec.batch_size,
-            echo_factor=spec.echo_factor, auto_echo=spec.auto_echo, max_echo=spec.max_echo,
+            echo_factor=spec.echo_factor, auto_echo=spec.auto_echo, max_echo=spec.max_echo, echo_gap=spec.echo_gap,
+            paced=spec.auto_echo and spec.workers.kind == "inline",  # the loop reads: it waits only in next()
             seed=self._reading.resources.seeds.buffer, drop_last=spec.drop_last, prefetch=spec.prefetch,
             initial=spec.initial,
             shared=shared, deterministic=spec.deterministic, exact_echo=spec.exact_echo, in_order=spec.in_order,
@@ -209,7 +211,7 @@ class IntakeStage:
         if self._buffer is None:
             raise StopIteration
         arrays = self._producers.next_arrays(timeout_s)
-        return Batch(self.structure, arrays, self._buffer.last_seqs if self._spec.exact else None)
+        return Batch(self.structure, arrays, self._buffer.last_seqs)
 
     def share_batch_memory(self, count: int) -> SharedBlocks:
         """Has the echo buffer assemble its batches in ``count`` blocks of named

@@ -10,7 +10,10 @@ them together:
   shard has been delivered once (its upstream ends);
 - then it repeats its most recent batches, so that it never makes the others
   wait: a rank whose input is fast trains on repeats while a straggler's fresh
-  reads catch up, instead of waiting for it at every step;
+  reads catch up, instead of waiting for it at every step. Each repeat is of
+  the kept batch whose rows this rank delivered the fewest times (the most of
+  its rows' counts; the oldest among equals), so the repeats are spread over
+  every kept batch as the echo buffer spreads its own;
 - the epoch ends on every rank at the same batch, once every rank has
   delivered its whole shard: the ranks agree through an all-reduce of two ints
   per rank (the agreement's index in the epoch, and the rank's status) every
@@ -168,6 +171,7 @@ class LockstepStage:
         self._spec, self._upstream, self._failure = spec, upstream, failure
         self._agreements = _Agreements(group)
         self._recent: deque[Batch] = deque(maxlen=spec.recent)
+        self._times = np.zeros(0, dtype=np.uint16)  # deliveries through this stage, by row position
         self._delivered = 0
         self._done = False  # this rank's upstream has ended
         self._halted = False  # stop() was called (see Synchronization)
@@ -193,7 +197,19 @@ class LockstepStage:
             self._over = True
             raise
         self._delivered += 1
+        self._count(batch.rows)
         return batch
+
+    def _count(self, rows: np.ndarray | None) -> None:
+        """One more delivery of each of ``rows`` (positions)."""
+        if rows is None or not len(rows):
+            return
+        top = int(rows.max()) + 1
+        if top > len(self._times):
+            grown = np.zeros(max(top, 2 * len(self._times)), dtype=np.uint16)
+            grown[:len(self._times)] = self._times
+            self._times = grown
+        np.add.at(self._times, rows.astype(np.intp), 1)
 
     def _first(self, timeout_s: float | None) -> Batch:
         """The first batch, after the epoch's first agreement, which every rank
@@ -267,13 +283,17 @@ class LockstepStage:
             self._leave()
 
     def _repeat(self) -> Batch:
-        """A copy of a recent batch, oldest first, round robin: the loop may
-        change a batch in place, and a repeat must not see that."""
+        """A copy of the kept batch delivered the fewest times (see the module
+        docstring): the loop may change a batch in place, and a repeat must not see that."""
         # Never empty here: the first agreement let through only ranks that had a first batch.
-        batch = self._recent[0]
-        self._recent.rotate(-1)
+        most = [int(self._times[b.rows.astype(np.intp)].max()) if b.rows is not None and len(b.rows) else 0
+                for b in self._recent]
+        pick = most.index(min(most))  # the oldest among the least delivered
+        batch = self._recent[pick]
+        del self._recent[pick]
+        self._recent.append(batch)
         self.repeats += 1
-        return Batch(batch.structure, tuple(_copied(leaf) for leaf in batch.arrays))
+        return Batch(batch.structure, tuple(_copied(leaf) for leaf in batch.arrays), batch.rows)
 
     def stop(self) -> None:
         self._halted = True  # no thread of its own; the epoch stops the stages before it
