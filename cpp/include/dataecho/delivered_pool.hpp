@@ -3,9 +3,11 @@
 // (auto_policy.hpp). Repeats are spread evenly:
 //
 //   - a repeat takes, among the drawable examples, one delivered the fewest
-//     times so far (uniformly among those, by the seeded RNG), so the examples
-//     resident are repeated in turn rather than some many times and others
-//     never;
+//     times so far, so the examples resident are repeated in turn rather than
+//     some many times and others never; among those, the longer-ago delivered
+//     of two drawn at random (by the seeded RNG), which keeps the order random
+//     while leaning to longer gaps (the fewest-delivered are mostly the ones
+//     delivered first just now);
 //   - an example delivered in batch k is drawable again from batch k + gap on
 //     ("cooling" until then), so its repeats are at least `gap` batches apart;
 //   - making room for fresh examples evicts the most-delivered drawable one
@@ -34,7 +36,7 @@ class DeliveredPool {
   using Draw = Reservoir::Draw;
 
   DeliveredPool(std::size_t capacity, std::uint64_t gap)
-      : by_times_(kBuckets), times_(capacity, 0), left_(capacity, 0), gap_(gap) {}
+      : by_times_(kBuckets), times_(capacity, 0), left_(capacity, 0), last_(capacity, 0), gap_(gap) {}
 
   std::size_t size() const noexcept { return drawable_ + cooling_.size(); }
   std::size_t drawable() const noexcept { return drawable_; }
@@ -46,6 +48,7 @@ class DeliveredPool {
     DATAECHO_CHECK(slot < times_.size() && left >= 1 && times >= 1);
     times_[slot] = times;
     left_[slot] = left;
+    last_[slot] = batch;
     echoes_left_ += left;
     cooling_.emplace_back(batch, slot);
   }
@@ -63,9 +66,14 @@ class DeliveredPool {
     DATAECHO_CHECK(drawable_ > 0);
     std::size_t b = 0;
     while (by_times_[b].empty()) ++b;
-    const std::uint32_t slot = remove(b, rng.below(by_times_[b].size()));
+    const std::vector<std::uint32_t>& bucket = by_times_[b];
+    std::size_t pick = rng.below(bucket.size());
+    const std::size_t other = rng.below(bucket.size());
+    if (last_[bucket[other]] < last_[bucket[pick]]) pick = other;
+    const std::uint32_t slot = remove(b, pick);
     --echoes_left_;
     ++times_[slot];
+    last_[slot] = batch;
     if (--left_[slot] == 0) return {slot, true};
     cooling_.emplace_back(batch, slot);
     return {slot, false};
@@ -124,6 +132,7 @@ class DeliveredPool {
   std::vector<std::vector<std::uint32_t>> by_times_;  // drawable slots by deliveries so far
   std::vector<std::uint32_t> times_;                   // slot -> deliveries so far
   std::vector<std::uint32_t> left_;                    // slot -> echoes left
+  std::vector<std::uint64_t> last_;                    // slot -> the batch it was last delivered in
   std::deque<std::pair<std::uint64_t, std::uint32_t>> cooling_;  // (batch last delivered, slot), oldest first
   std::size_t drawable_ = 0;
   std::uint64_t echoes_left_ = 0;

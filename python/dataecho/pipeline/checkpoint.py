@@ -93,8 +93,7 @@ def check_state(state: Any, fingerprint: dict[str, Any], checks: dict[str, State
             the order the state saved (a sampler's) or None; None for iterables.
         mode: how the loader takes states mid-epoch (dataecho.pipeline.plan.Plan.checkpoint).
 
-    Returns:
-        The state normalized (plain ints, arrays of fixed dtypes).
+    Returns the state normalized (plain ints, arrays of fixed dtypes).
 
     Raises:
         TypeError, ValueError: the state is not one of this loader's, saying why.
@@ -106,10 +105,7 @@ def check_state(state: Any, fingerprint: dict[str, Any], checks: dict[str, State
             f"state: expected format {FORMAT!r}, got {state.get('format')!r}; a state saved by another "
             "version of dataecho cannot be resumed by this one"
         )
-    saved = state.get("config")
-    if not isinstance(saved, dict):
-        raise ValueError("state['config']: expected a dict")
-    _check_fingerprint(saved, fingerprint)
+    _check_fingerprint(state.get("config"), fingerprint)
     epoch = int_at(state, "epoch", "state")
     structure = state.get("structure")
     if structure is not None:
@@ -195,7 +191,9 @@ class Iterated:
         return np.asarray(positions)
 
 
-def _check_fingerprint(saved: dict, fingerprint: dict[str, Any]) -> None:
+def _check_fingerprint(saved: Any, fingerprint: dict[str, Any]) -> None:
+    if not isinstance(saved, dict):
+        raise ValueError("state['config']: expected a dict")
     for key, value in fingerprint.items():
         if saved.get(key) != value:
             hint = ("; to resume a job on another number of ranks, pass the list of every rank's state_dict() "
