@@ -5,6 +5,7 @@ explicit rank / world_size."""
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import socket
 import subprocess
@@ -301,6 +302,8 @@ def test_auto_echo_keeps_the_ranks_in_lockstep_while_one_straggles(tmp_path):
         times = list(rank["counts"].values())
         assert rank["report"]["max"] == max(times)
         assert rank["report"]["deliveries"][1:] == [times.count(c) for c in range(1, max(times) + 1)]
+        # The fast rank repeats for most of the epoch: over its whole shard, read again, not its kept batches.
+        assert max(times) <= math.ceil(rank["report"]["mean"]) + 1, rank["report"]
     # What the agreement costs is timed by bench/bench_stragglers.py, against a job without it.
 
 

@@ -30,6 +30,7 @@ from dataecho.pipeline.stages import (
     delivery,
     intake,
     lockstep,
+    rereads,
 )
 from dataecho.pipeline.stages.stage import Batch
 from dataecho.reading.source import EpochSource
@@ -438,6 +439,35 @@ def test_lockstep_alone_passes_its_batches_then_repeats_recent_ones_until_the_ag
     assert stage.state() is None
     stage.stop()
     stage.join(1.0)
+
+
+def test_rereads_read_the_least_delivered_positions_again_counting_those_read_ahead():
+    # Position 4 was never delivered (another rank's); 1, 3, 5 and 7 the fewest times.
+    times = np.array([3, 1, 2, 1, 0, 1, 2, 1], dtype=np.uint16)
+
+    def read_batch(ids: dict) -> Batch:
+        return Batch(None, (ids["rows"].astype(np.int64) * 10,), ids["rows"])
+
+    again = rereads.Rereads(read_batch, lambda: times, batch_size=2, seed=0)
+    taken = []
+    while len(taken) < 3:
+        batch = again.take()
+        if batch is not None:
+            assert np.array_equal(batch.arrays[0], batch.rows.astype(np.int64) * 10), "read from its positions"
+            taken.append(sorted(batch.rows.tolist()))
+            np.add.at(times, batch.rows.astype(np.intp), 1)  # delivered, as the stage counts it
+    again.stop()
+    again.join(1.0)
+    assert sorted(taken[0] + taken[1]) == [1, 3, 5, 7], "the least delivered first, those read ahead counted"
+    assert all(4 not in rows and 0 not in rows for rows in taken)
+
+    def failing(ids: dict) -> Batch:
+        raise OSError("a read failed")
+
+    broken = rereads.Rereads(failing, lambda: times, batch_size=2)
+    broken.join(5.0)
+    with pytest.raises(OSError, match="a read failed"):
+        broken.take()
 
 
 def test_lockstep_alone_stops_when_stopped_or_when_its_upstream_fails(gloo_group):

@@ -168,7 +168,9 @@ def _build(chain: Chain, plan: Plan, structure: Structure | None, reading: Readi
                                                  stage.share_batch_memory)
         last, read_batch = _add(chain, augmenting), augmenting.read_batch
     if plan.lockstep is not None:
-        last = _add(chain, lockstep.LockstepStage(plan.lockstep, last, chain.group, chain.failure))
+        # Repeats read again where an example is read by position, as it was (no augment to recompute).
+        again = stage.read_batch if plan.source.order is not None and plan.augment is None else None
+        last = _add(chain, lockstep.LockstepStage(plan.lockstep, last, chain.group, chain.failure, again))
     if plan.delivery is not None:
         _add(chain, delivery.DeliveryStage(plan.delivery, last, states.get("delivery"), read_batch))
 

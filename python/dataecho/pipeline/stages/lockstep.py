@@ -10,10 +10,13 @@ them together:
   shard has been delivered once (its upstream ends);
 - then it repeats its most recent batches, so that it never makes the others
   wait: a rank whose input is fast trains on repeats while a straggler's fresh
-  reads catch up, instead of waiting for it at every step. Each repeat is of
-  the kept batch whose rows this rank delivered the fewest times (the most of
-  its rows' counts; the oldest among equals), so the repeats are spread over
-  every kept batch as the echo buffer spreads its own;
+  reads catch up, instead of waiting for it at every step. A map-style source
+  without ``augment`` has the least-delivered examples of the whole shard
+  read again for these repeats, a batch or two ahead in a thread of their own
+  (dataecho.pipeline.stages.rereads); where none is ready, and otherwise, a
+  repeat is of the kept batch whose rows this rank delivered the fewest times
+  (the most of its rows' counts; the oldest among equals). Either way the
+  repeats spread as the echo buffer spreads its own;
 - the epoch ends on every rank at the same batch, once every rank has
   delivered its whole shard: the ranks agree through an all-reduce of two ints
   per rank (the agreement's index in the epoch, and the rank's status) every
@@ -65,6 +68,7 @@ from typing import Any
 import numpy as np
 
 from ...examples.ragged import Ragged
+from .rereads import Rereads
 from .stage import Batch, Stage
 
 __all__ = ["LockstepSpec", "LockstepStage", "agree_without_stages"]
@@ -149,7 +153,9 @@ class LockstepStage:
 
     Synchronization: next() runs in the epoch's one consumer thread, which
     alone issues and waits for the agreements. stop() may run in any thread
-    and only sets ``_halted``, read by next(): abort() stops this stage before
+    and only sets ``_halted``, read by next() (and stops the thread reading
+    repeats again, which next() starts once the shard is delivered, unless
+    stopped by then): abort() stops this stage before
     the ones upstream, so a StopIteration that the stop causes upstream reaches
     the consumer after that store (the GIL hand-over orders them). Where a
     failing stage thread closes its own output before its stop reaches this
@@ -167,8 +173,10 @@ class LockstepStage:
     unresumable = ("saving a position mid-epoch with echo_factor='auto' on several ranks is not supported: "
                    "its batches depend on timing")
 
-    def __init__(self, spec: LockstepSpec, upstream: Stage, group: Any, failure: Any = None) -> None:
-        self._spec, self._upstream, self._failure = spec, upstream, failure
+    def __init__(self, spec: LockstepSpec, upstream: Stage, group: Any, failure: Any = None,
+                 read_batch: Any = None) -> None:
+        self._spec, self._upstream, self._failure, self._read_batch = spec, upstream, failure, read_batch
+        self._rereads: Rereads | None = None  # once the shard is delivered, where read_batch is given
         self._agreements = _Agreements(group)
         self._recent: deque[Batch] = deque(maxlen=spec.recent)
         self._times = np.zeros(0, dtype=np.uint16)  # deliveries through this stage, by row position
@@ -248,6 +256,8 @@ class LockstepStage:
         except StopIteration:
             if not self._stopping:
                 self._done = True
+                if self._read_batch is not None and self._recent and not self._halted:
+                    self._rereads = Rereads(self._read_batch, lambda: self._times, len(self._recent[-1]))
                 return None
             self._leave()
             raise
@@ -285,6 +295,10 @@ class LockstepStage:
     def _repeat(self) -> Batch:
         """A copy of the kept batch delivered the fewest times (see the module
         docstring): the loop may change a batch in place, and a repeat must not see that."""
+        again = self._rereads.take() if self._rereads is not None else None
+        if again is not None:
+            self.repeats += 1
+            return again
         # Never empty here: the first agreement let through only ranks that had a first batch.
         most = [int(self._times[b.rows.astype(np.intp)].max()) if b.rows is not None and len(b.rows) else 0
                 for b in self._recent]
@@ -296,10 +310,13 @@ class LockstepStage:
         return Batch(batch.structure, tuple(_copied(leaf) for leaf in batch.arrays), batch.rows)
 
     def stop(self) -> None:
-        self._halted = True  # no thread of its own; the epoch stops the stages before it
+        self._halted = True  # the epoch stops the stages before it
+        if self._rereads is not None:
+            self._rereads.stop()
 
     def join(self, timeout_s: float) -> None:
-        pass
+        if self._rereads is not None:
+            self._rereads.join(timeout_s)
 
     def state(self, timeout_s: float | None = None) -> dict[str, Any] | None:
         return None
