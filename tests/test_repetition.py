@@ -142,23 +142,23 @@ class Bursty:
 
     def __getitem__(self, i: int) -> dict:
         if (i // 200) % 2 == 0:
-            time.sleep(0.00025)  # a step of 2 ms takes 16 examples: 0.125 ms each
+            time.sleep(0.001)  # a step of 8 ms takes 16 examples: 0.5 ms each
         return {"index": np.int64(i)}
 
 
 def test_auto_spreads_its_repeats_evenly(seed):
-    """A variable-speed upstream, echo about 1.4: hardly any example reaches max_echo (4). Before the repeats
-    were spread (uniformly drawn among those resident), 78-91 of the 2,400 did; the benchmark's target, the
+    """A variable-speed upstream, echo about 1.2: hardly any example reaches max_echo (4). Before the repeats
+    were spread (uniformly drawn among those resident), 33-41 of the 2,400 did; the benchmark's target, the
     most at ceil(achieved) + 1, is measured by ``bench/bench_repetition.py --bursty``."""
     loader = dataecho.EchoLoader(Bursty(2400), batch_size=16, echo_factor="auto", seed=seed, num_workers=1,
                                  shuffle=False)
     seen = {}
     for batch in loader:
-        time.sleep(0.002)  # the step
+        time.sleep(0.008)  # the step
         for i in np.asarray(batch["index"]).tolist():
             seen[i] = seen.get(i, 0) + 1
     this = loader.stats()["this_epoch"]
-    assert this["echo_factor_achieved"] > 1.1, "the slow runs made it echo"
+    assert this["echo_factor_achieved"] > 1.05, "the slow runs made it echo"
     assert max(seen.values()) == this["repetition"]["max"] <= 4
     assert sum(1 for n in seen.values() if n == 4) <= 16, "at most a batch's worth at max_echo"
     assert len(seen) == 2400
