@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, epochs, repeat = (1 << 13, 1, 2) if args.quick else (1 << 15, 2, 5)
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         logging.getLogger("ray.data").setLevel(logging.ERROR)
         ray.data.DataContext.get_current().enable_progress_bars = False

@@ -178,7 +178,7 @@ os.environ.update(RAY_DEDUP_LOGS="0", RAY_ENABLE_UV_RUN_RUNTIME_ENV="0",
                   PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
 import ray
 
-ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
 ray.data.DataContext.get_current().enable_progress_bars = False
 try:
     def decode(row):
