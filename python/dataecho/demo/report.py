@@ -95,6 +95,7 @@ def plot(runs: list[Run], target: float, path: Path, title: str, metric: Metric 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     figure, (by_time, by_fresh, by_times) = plt.subplots(1, 3, figsize=(17, 4.5), constrained_layout=True)
     for run in runs:
@@ -107,6 +108,7 @@ def plot(runs: list[Run], target: float, path: Path, title: str, metric: Metric 
         deliveries = (run.stats.get("repetition") or {}).get("deliveries", [])
         if len(deliveries) > 1:
             by_times.plot(range(1, len(deliveries)), deliveries[1:], marker="o", **style)
+    by_times.xaxis.set_major_locator(MaxNLocator(integer=True))  # times are whole
     by_times.set_xlabel("times delivered over the run")
     by_times.set_ylabel("examples")
     by_times.set_title("repetition: examples by times delivered")
