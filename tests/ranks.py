@@ -60,17 +60,20 @@ def built_before_the_group(rank: int, world_size: int, arg: str) -> dict[str, An
 
 
 def auto_with_a_straggler(rank: int, world_size: int, arg: str) -> dict[str, Any]:
-    """echo_factor="auto" on every rank, rank 0's reads ``arg`` times slower."""
+    """echo_factor="auto" on every rank, rank 0's reads ``arg`` times slower
+    (``"8,device"``: 8 times, with echo on the device, ``device="cpu"``)."""
     import dataecho
     import torch
     import torch.distributed as dist
     from support import Records, checked_ids
 
     _join(rank, world_size)
-    slow = float(arg or 4)
+    slow, _, place = arg.partition(",")
+    slow = float(slow or 4)
+    where = {"echo_at": "device", "device": "cpu"} if place == "device" else {}
     # Rank 0 reads 2 ms per example on 2 threads (8 ms a batch, against a 2 ms step); rank 1 at once.
     loader = dataecho.EchoLoader(Records(400, delay_s=0.00025 * slow if rank == 0 else 0.0), batch_size=8,
-                                 echo_factor="auto", num_workers=2, seed=1)
+                                 echo_factor="auto", num_workers=2, seed=1, **where)
     batches, started = [], time.perf_counter()
     for batch in loader:
         batches.append(checked_ids(batch).tolist())

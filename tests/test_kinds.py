@@ -287,7 +287,7 @@ def test_a_raw_bfloat16_leaf_keeps_its_dtype_and_bits_through_every_output_kind(
 
 def test_the_chain_is_drawn_as_plan_draws_it_in_the_plans_docstring_and_the_design_doc():
     drawn = drawing()
-    assert drawn == "intake -> [batch_echo] -> [augment] -> [lockstep] -> [delivery]"
+    assert drawn == "intake -> [batch_echo] -> [augment] -> [device_echo] -> [lockstep] -> [delivery]"
     assert drawn.split(" -> ")[0] == CHAIN[0][0] and len(drawn.split(" -> ")) == len(CHAIN)
     assert drawn in (ROOT / "python" / "dataecho" / "pipeline" / "plan.py").read_text().split('"""')[1], \
         "plan.py's module docstring"

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import operator
 import secrets
-from typing import Any
+from typing import Any, Callable
 
 from . import _core
 
@@ -99,3 +100,16 @@ def hold(value: Any) -> bool | str:
     if value is True or value is False or (isinstance(value, str) and value == "auto"):
         return value
     raise ValueError(f"hold: expected True, False or 'auto', got {value!r}")
+
+
+def accepts_keyword(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` can be called with the keyword ``name`` (named, or **kwargs)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD
+        or (p.name == name and p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
+        for p in parameters
+    )

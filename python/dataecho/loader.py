@@ -4,11 +4,9 @@ fractional and adaptive echo factors, and torch ``DataLoader``'s signature.
 The arguments are validated once into a :class:`dataecho.config.loader_config.LoaderConfig`, which the planner
 turns into per-stage specs (:mod:`dataecho.pipeline.plan`, where the chain of stages is drawn); each
 ``iter(loader)`` starts a :class:`dataecho.pipeline.epoch.Epoch`, which runs that chain: readers fill the echo
-buffer (the intake), batch echo, augment, the ranks' lockstep, and the delivery to a device; the loop gets NumPy,
-torch or JAX arrays (dataecho.examples.outputs).
-
-With a ``batch_sampler`` the intake reads its batches whole, in its order (no echo buffer), and echo repeats
-them whole (batch echoing).
+buffer (the intake), batch echo, augment, echo on the device, the ranks' lockstep, and the delivery to a device;
+the loop gets NumPy, torch or JAX arrays (dataecho.examples.outputs). With a ``batch_sampler`` the intake reads its
+batches whole, in its order (no echo buffer), and echo repeats them whole (batch echoing).
 """
 
 from __future__ import annotations
@@ -55,7 +53,8 @@ _ATTRIBUTES: dict[str, Callable[[LoaderConfig], Any]] = {
     **{name: (lambda c, name=name: getattr(c, name)) for name in (
         "dataset", "shuffle", "collate_fn", "pin_memory", "drop_last", "worker_init_fn",
         "prefetch_factor", "persistent_workers", "transform", "augment", "augment_workers", "shuffle_buffer", "seed",
-        "deterministic", "worker_type", "output", "device", "jax_device", "ragged", "ragged_bytes", "padding")},
+        "deterministic", "worker_type", "output", "device", "jax_device", "ragged", "ragged_bytes", "padding",
+        "device_augment")},
 }
 
 
@@ -88,12 +87,13 @@ class EchoLoader:
         echo_factor: mean deliveries per example (or batch), a number >= 1
             (fractional: ``floor(e)`` or ``floor(e) + 1`` each), or ``"auto"``:
             repeat only while the consumer would wait, the least-delivered first.
-        echo_at, max_echo, echo_gap: ``"example"`` or ``"batch"`` (default with ``batch_sampler``); with "auto",
-            the most deliveries per example (``ceil``), and the fewest batches between two of one example.
+        echo_at, max_echo, echo_gap: ``"example"``, ``"batch"`` (with ``batch_sampler``), ``"device"`` (kept on
+            ``device``); with "auto", the most deliveries per example, the fewest batches between two of one.
         transform: per-example function of the workers, before the echo stage.
         augment: per-example function after the echo stage, anew on every
             repeat; called as ``augment(example, rng=...)`` where it takes
             ``rng`` (a generator keyed by seed, epoch, rank and delivery).
+        device_augment: ``echo_at="device"``: ``device_augment(batch, generator)`` per batch, on the device.
         augment_workers: ``"thread"`` or ``"process"`` (no user code in the
             training process then); default: as ``worker_type``.
         shuffle_buffer: examples in the echo buffer (4096, or two batches); batches with ``echo_at="batch"`` (16).
@@ -159,6 +159,7 @@ class EchoLoader:
         ragged: Any = None,
         ragged_bytes: int | None = None,
         padding: int | str | None = None,
+        device_augment: Callable[[Any, Any], Any] | None = None,
     ) -> None:
         self.config: LoaderConfig = loader_config(
             dataset=dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
@@ -169,13 +170,12 @@ class EchoLoader:
             augment=augment, augment_workers=augment_workers, shuffle_buffer=shuffle_buffer, seed=seed,
             deterministic=deterministic, worker_type=worker_type, output=output, device=device, rank=rank,
             world_size=world_size, ragged=ragged, ragged_bytes=ragged_bytes, padding=padding, jax_device=jax_device,
-        )
+            device_augment=device_augment)
         self._planner = Planner(self.config)  # the plan of its epochs, on its part of the job
         self._structure: Structure | None = None
         self._numbers = EpochNumbers()
         self._position = LoaderPosition(self._planner.plan.source)  # checkpoints: a loaded state, where an epoch left
-        # Weakly: an epoch nobody iterates any more is collected, and stops.
-        self._current_ref: Callable[[], Epoch | None] = lambda: None
+        self._current_ref: Callable[[], Epoch | None] = lambda: None  # weakly: an epoch not iterated is collected
         self._totals = Totals()
         self._starting = threading.Lock()
         self._job = Job()  # this loader's part of a data-parallel job

@@ -20,8 +20,9 @@ class Echo:
     Attributes:
         factor: mean deliveries per example (or batch), >= 1; None for "auto":
             repeat only while the consumer would otherwise wait.
-        at: ``"example"`` (the echo buffer repeats examples) or ``"batch"``
-            (whole batches are repeated).
+        at: ``"example"`` (the echo buffer repeats examples), ``"batch"``
+            (whole batches are repeated) or ``"device"`` (examples are kept
+            and repeated on the torch ``device``: dataecho.pipeline.stages.device_echo).
         max_echo: with "auto", the cap on deliveries per example (batch).
         gap: with "auto" per example, the fewest batches between two
             deliveries of an example.
@@ -40,7 +41,8 @@ class Echo:
             TypeError, ValueError: a bad argument, named in the message.
         """
         factor = _checks.echo_factor(echo_factor)
-        return cls(None if factor == "auto" else factor, _checks.choice("echo_at", echo_at, ("example", "batch")),
+        at = _checks.choice("echo_at", echo_at, ("example", "batch", "device"))
+        return cls(None if factor == "auto" else factor, at,
                    _checks.real("max_echo", max_echo, 1.0, _core.MAX_ECHO),
                    _checks.positive_int("echo_gap", echo_gap, 1 << 32))
 
@@ -50,7 +52,13 @@ class Echo:
 
     @property
     def per_example(self) -> bool:
-        return self.at == "example"
+        """Examples are repeated (on the host, or on the device), not whole batches."""
+        return self.at in ("example", "device")
+
+    @property
+    def on_device(self) -> bool:
+        """Examples are repeated on the device (``echo_at="device"``)."""
+        return self.at == "device"
 
     @property
     def setting(self) -> float | str:

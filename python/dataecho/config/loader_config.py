@@ -10,7 +10,6 @@ the native module (``_core.MAX_ECHO``, ``_core.MAX_CAPACITY``).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -22,11 +21,12 @@ from ..reading.source import in_fixed_order, is_map_style
 from ..workers.spec import default_start_method
 from . import dataloader
 from .batch_sampler import check_batch_sampler, check_with_batch_sampler, default_echo_at
+from .device_echo import check_device_echo
 from .devices import check_output
 from .echo import Echo
 from .process_checks import check_processes
 
-__all__ = ["DEFAULT_BATCHES", "DEFAULT_EXAMPLES", "LoaderConfig", "accepts_keyword", "loader_config"]
+__all__ = ["DEFAULT_BATCHES", "DEFAULT_EXAMPLES", "LoaderConfig", "loader_config"]
 
 DEFAULT_EXAMPLES = 4096  # shuffle_buffer with echo_at="example"
 DEFAULT_BATCHES = 16  # ... with echo_at="batch"
@@ -82,6 +82,7 @@ class LoaderConfig:
     padding: int | str | None = None  # None (packed), "longest" or a length
     batch_sampler: Any = None  # forms the batches (dataecho.config.batch_sampler); batch_size is then 1, unused
     jax_device: Any = None  # with output="jax": a jax.Device, or None (JAX's default device)
+    device_augment: Callable[[Any, Any], Any] | None = None  # echo_at="device": (batch, generator) on the device
 
     @property
     def map_style(self) -> bool:
@@ -115,7 +116,7 @@ class LoaderConfig:
     @property
     def augment_takes_rng(self) -> bool:
         """``augment`` accepts an ``rng`` keyword: it is given a generator per delivery."""
-        return self.augment is not None and accepts_keyword(self.augment, "rng")
+        return self.augment is not None and _checks.accepts_keyword(self.augment, "rng")
 
     def with_shard(self, shard: Shard) -> LoaderConfig:
         """This configuration on another part of a data-parallel job (found as
@@ -170,7 +171,7 @@ def loader_config(*, dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, 
                   persistent_workers: Any, pin_memory_device: Any, echo_factor: Any, echo_at: Any, max_echo: Any,
                   echo_gap: Any, transform: Any, augment: Any, augment_workers: Any, shuffle_buffer: Any, seed: Any,
                   deterministic: Any, worker_type: Any, output: Any, device: Any, rank: Any, world_size: Any,
-                  ragged: Any, ragged_bytes: Any, padding: Any, jax_device: Any) -> LoaderConfig:
+                  ragged: Any, ragged_bytes: Any, padding: Any, jax_device: Any, device_augment: Any) -> LoaderConfig:
     """Validates ``EchoLoader``'s arguments, as given (see its docstring).
 
     Raises:
@@ -223,7 +224,7 @@ def loader_config(*, dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, 
     if worker_type == "process" or (augment is not None and config.augment_workers == "process"):
         check_processes(config)
     dataloader.warn_many_workers(workers, worker_type)
-    return config
+    return check_device_echo(config, device_augment)  # echo_at="device": what goes with it
 
 
 def _check_seed(seed: Any, generator: Any, shard: Shard) -> tuple[int, bool]:
@@ -280,19 +281,6 @@ def _reads_in_order(shuffle: bool, echo: Echo, dataset: Any, worker_type: str) -
     one: a map-style source, or an iterable read by one thread (worker processes
     each iterate their own shard)."""
     return not shuffle and echo.once and (is_map_style(dataset) or worker_type == "thread")
-
-
-def accepts_keyword(fn: Callable[..., Any], name: str) -> bool:
-    """Whether ``fn`` can be called with the keyword ``name`` (named, or **kwargs)."""
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # a builtin without a signature
-        return False
-    return any(
-        p.kind is inspect.Parameter.VAR_KEYWORD
-        or (p.name == name and p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
-        for p in parameters
-    )
 
 
 def _check_dataset(dataset: Any, worker_type: str) -> Any:

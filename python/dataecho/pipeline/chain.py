@@ -19,7 +19,7 @@ from ..workers.resources import EpochResources
 from . import checkpoint
 from .checkpoint import StateCheck
 from .plan import CHAIN, Plan
-from .stages import augment, batch_echo, batches, delivery, intake, lockstep
+from .stages import augment, batch_echo, batches, delivery, device_echo, intake, lockstep
 from .stages.augment_kinds import augment_stage
 from .stages.stage import COUNTERS, Stage
 
@@ -33,7 +33,7 @@ _ORDER = {name: index for index, (name, _) in enumerate(CHAIN)}
 _CHECKS: dict[type, Callable[..., dict]] = {
     intake.IntakeSpec: intake.check_state, batches.BatchesSpec: batches.check_state,
     batch_echo.BatchEchoSpec: batch_echo.check_state, augment.AugmentSpec: augment.check_state,
-    delivery.DeliverySpec: delivery.check_state,
+    delivery.DeliverySpec: delivery.check_state, device_echo.DeviceEchoSpec: device_echo.check_state,
 }
 
 
@@ -167,9 +167,15 @@ def _build(chain: Chain, plan: Plan, structure: Structure | None, reading: Readi
                                                  on_failure, chain.pull_lock, states.get("augment"),
                                                  stage.share_batch_memory)
         last, read_batch = _add(chain, augmenting), augmenting.read_batch
+    if plan.device_echo is not None:
+        seeds = resources.seeds
+        last = _add(chain, device_echo.DeviceEchoStage(plan.device_echo, last, seeds.batch_echo, seeds.augment,
+                                                       states.get("device_echo"), read_batch))
     if plan.lockstep is not None:
-        # Repeats read again where an example is read by position, as it was (no augment to recompute).
-        again = stage.read_batch if plan.source.order is not None and plan.augment is None else None
+        # Repeats read again where an example is read by position, as it was (no augment to recompute),
+        # and on the host (not where they are kept on the device).
+        again = (stage.read_batch if plan.source.order is not None and plan.augment is None
+                 and plan.device_echo is None else None)
         last = _add(chain, lockstep.LockstepStage(plan.lockstep, last, chain.group, chain.failure, again))
     if plan.delivery is not None:
         _add(chain, delivery.DeliveryStage(plan.delivery, last, states.get("delivery"), read_batch))

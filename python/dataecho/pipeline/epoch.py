@@ -220,6 +220,7 @@ class Epoch:
             "wait_s": self._wait_s,
             "active_s": time.perf_counter() - self._started,
             "memory": stages.get("memory"),
+            "device_memory": stages.get("device_memory"),
             "ledger": (self._ledger, self._stages.source if self._stages is not None else None),
         }
 

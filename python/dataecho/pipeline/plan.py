@@ -9,10 +9,11 @@ and never sees the configuration. The chain an epoch runs is (:data:`CHAIN`,
 drawn by :func:`drawing`; a test keeps this drawing and docs/design.md's equal
 to it, and dataecho.pipeline.chain builds the stages in its order)::
 
-    intake -> [batch_echo] -> [augment] -> [lockstep] -> [delivery]
+    intake -> [batch_echo] -> [augment] -> [device_echo] -> [lockstep] -> [delivery]
 
 ``batch_echo`` with ``echo_at="batch"`` (not in order), ``augment`` where one
-is given, ``lockstep`` with ``echo_factor="auto"`` on several ranks,
+is given, ``device_echo`` with ``echo_at="device"`` (in place of the delivery:
+dataecho.pipeline.device_plan), ``lockstep`` with ``echo_factor="auto"`` on several ranks,
 ``delivery`` with a device, and wherever a checkpoint is exact (it owns the
 batches on their way out, so that a state taken with a device resumes without
 one). With a ``batch_sampler`` the intake is the sampler's batches, read
@@ -21,12 +22,10 @@ whole (dataecho.pipeline.stages.batches), and echo repeats them whole (``batch_e
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..config.dataloader import DEFAULT_WORKERS
-from ..config.echo import exact_deliveries
 from ..config.loader_config import DEFAULT_EXAMPLES, LoaderConfig
 from ..config.stand_in import stand_in
 from ..examples.outputs import Output, output_kind
@@ -38,11 +37,14 @@ from ..reading.sharding import Shard
 from ..reading.source import SourceSpec
 from ..workers.reader_kinds import kind_of
 from ..workers.spec import WorkersSpec
+from .device_plan import device_plan
+from .epoch_length import batches_per_epoch
 from .stages.augment import AugmentSpec
 from .stages.augment_processes import STAGED_BATCHES
 from .stages.batch_echo import BatchEchoSpec
 from .stages.batches import BatchesSpec
 from .stages.delivery import DeliverySpec
+from .stages.device_echo import DeviceEchoSpec
 from .stages.intake import IntakeSpec
 from .stages.lockstep import LockstepSpec
 
@@ -50,7 +52,8 @@ __all__ = ["CHAIN", "OutputSpec", "Plan", "Planner", "drawing", "plan"]
 
 # The chain an epoch runs, first to last: each stage's name, and whether every epoch has it.
 CHAIN: tuple[tuple[str, bool], ...] = (
-    ("intake", True), ("batch_echo", False), ("augment", False), ("lockstep", False), ("delivery", False),
+    ("intake", True), ("batch_echo", False), ("augment", False), ("device_echo", False), ("lockstep", False),
+    ("delivery", False),
 )
 _STATELESS = frozenset({"lockstep"})  # stages whose state a checkpoint does not hold
 
@@ -97,6 +100,8 @@ class Plan:
         source: what the epoch reads.
         intake, batch_echo, augment, delivery: the stages' specs (None: not in
             the chain); the intake's is a BatchesSpec with a batch sampler.
+        device_echo: with ``echo_at="device"``, the stage that keeps examples
+            on the device and echoes them there; else None.
         lockstep: ``echo_factor="auto"`` on several ranks: the stage that keeps
             their epochs the same length (dataecho.pipeline.stages.lockstep), before
             the delivery; else None.
@@ -116,6 +121,7 @@ class Plan:
     checkpoint: str | None
     batches_per_epoch: Callable[[], int]
     lockstep: LockstepSpec | None = None
+    device_echo: DeviceEchoSpec | None = None
 
     @property
     def reads_batches(self) -> bool:
@@ -175,7 +181,7 @@ class Planner:
     @property
     def replayable(self) -> bool:
         """A position mid-epoch follows from the seed alone (LoaderConfig.replayable; not batches written in place)."""
-        return self._config.replayable and not writes_batches(self._config)
+        return self._config.replayable and not writes_batches(self._config) and not self._config.echo.on_device
 
     @property
     def echo_factor(self) -> float:
@@ -214,6 +220,10 @@ class Planner:
 
 def plan(config: LoaderConfig) -> Plan:
     """The specs of ``config``'s epochs (see the module docstring)."""
+    return device_plan(config, _plan) if config.echo.on_device else _plan(config)
+
+
+def _plan(config: LoaderConfig) -> Plan:
     exact = config.exact_checkpoint
     order = OrderSpec(config.dataset, config.sampler, config.shard, config.shuffle, config.seed,
                       config.drop_last, config.batch_sampler) if config.map_style else None
@@ -233,7 +243,7 @@ def plan(config: LoaderConfig) -> Plan:
                           config.timeout, config.ragged or frozenset(), config.augment is None,
                           config.deterministic_given),
         checkpoint=_checkpoint(config),
-        batches_per_epoch=lambda: _batches_per_epoch(config, order),
+        batches_per_epoch=lambda: batches_per_epoch(config, order),
         lockstep=LockstepSpec() if config.echo.auto and config.shard.world_size > 1 else None,
     )
 
@@ -306,8 +316,8 @@ def _intake(config: LoaderConfig, source: SourceSpec, exact: bool) -> IntakeSpec
 def writes_batches(config: LoaderConfig) -> bool:
     """Echo 1 over a map-style dataset with ``read_into`` (no transform, batch_sampler or sampler without a
     length; threads or inline): batches read whole, written in place (dataecho.pipeline.stages.written)."""
-    return (config.map_style and config.echo.once and config.batch_sampler is None and config.transform is None
-            and callable(getattr(config.dataset, "read_into", None))
+    return (config.map_style and config.echo.once and not config.echo.on_device and config.batch_sampler is None
+            and config.transform is None and callable(getattr(config.dataset, "read_into", None))
             and (config.sampler is None or hasattr(config.sampler, "__len__"))
             and (config.workers == 0 or config.worker_type == "thread"))
 
@@ -368,32 +378,3 @@ def _pinned_batches(config: LoaderConfig) -> int:
     if config.echo.at == "batch" and config.augment is None:
         count += config.shuffle_buffer
     return count
-
-
-def _batches_per_epoch(config: LoaderConfig, order: OrderSpec | None) -> int:
-    """``len(loader)``: batches per epoch on this rank, for a map-style source and
-    a fixed echo factor: integer, or fractional with exact echo counts
-    (``deterministic=True`` or several ranks). With a batch sampler, its
-    ``len()`` times the echo factor (batch echo counts, exact).
-
-    An iterable that has ``__len__`` (a torch ``IterableDataset`` may) is taken
-    at its word, as DataLoader takes it: ``len(dataset)`` examples per epoch.
-
-    Raises:
-        TypeError: an iterable source without ``__len__``, a batch sampler
-            without ``len()``, or a number of batches that is random.
-    """
-    if order is None and not hasattr(config.dataset, "__len__"):
-        raise TypeError("len(): the source is an iterable of unknown length (it has no __len__)")
-    echo = config.echo
-    if echo.auto or not (echo.whole or config.exact_echo):
-        raise TypeError("len(): the number of batches is random with a fractional or 'auto' echo factor")
-    if config.batch_sampler is not None:
-        if not hasattr(config.batch_sampler, "__len__"):
-            raise TypeError("len(): the batch_sampler has no len()")
-        return exact_deliveries(len(config.batch_sampler), echo.factor)
-    rounding = math.floor if config.drop_last else math.ceil
-    examples = order.examples_per_epoch() if order is not None else len(config.dataset)
-    if echo.at == "batch":
-        return exact_deliveries(rounding(examples / config.batch_size), echo.factor)
-    return rounding(exact_deliveries(examples, echo.factor) / config.batch_size)

@@ -100,7 +100,10 @@ class Totals:
             ``memory``: the echo buffer's ``resident`` examples (``held``: in
             its slots, on their way in too), ``slot_bytes`` per example, and the
             bytes of ragged values held (``ragged_bytes_in_use``) out of its
-            budget (``ragged_bytes``); None before the first;
+            budget (``ragged_bytes``); None before the first; ``device_memory``:
+            with ``echo_at="device"``, the examples kept on the device
+            (``resident``), its ``rows`` and ``bytes``, and the unspent budget
+            of examples it gave way by (``evicted``, "auto"); else None;
             workers: for that epoch, per producer thread or process: examples
             produced and seconds busy reading and transforming (and a worker
             process's ``pid``).
@@ -121,7 +124,8 @@ class Totals:
         stats = {**_figures(sums), "epoch": epoch, "epochs": dict(self._ended), "repetition": self._seen.report(),
                  "this_epoch": None if this is None else {"epoch": this["epoch"], "state": this["state"],
                                                           **_figures(this), "repetition": this["repetition"],
-                                                          "memory": this.get("memory")},
+                                                          "memory": this.get("memory"),
+                                                          "device_memory": this.get("device_memory")},
                  "workers": workers}
         return flatten(stats, prefix) if flat else stats
 

@@ -1,0 +1,346 @@
+"""Echo on the device (``echo_at="device"``): each fresh example crosses to the
+device once, is kept there in a buffer of ``shuffle_buffer`` rows
+(dataecho.pipeline.stages.device_rows), and every batch is gathered there by
+index, so that a repeat costs the host nothing but choosing its row, and the
+link nothing but that row's index. A ``device_augment`` then runs on each
+gathered batch with a generator on the device: every repeat is augmented anew,
+on the device (echo before augmentation).
+
+The choice of rows follows the host's echo buffer rules (shuffle_buffer.hpp)
+on small host arrays, one entry per row:
+
+- a fixed factor: each example is delivered ``floor(e)`` or ``floor(e) + 1``
+  times (by its position, as the host's exact counts: ``exact``; else drawn);
+  the buffer fills to a quarter before the first batch and grows by a batch
+  per batch; a batch is drawn uniformly among the resident examples without
+  repeating one (but where fewer than a batch remain, at the epoch's end);
+- ``"auto"``: the examples not yet delivered first; where fewer than a batch
+  are there and no fresh batch is ready, the least-delivered of those whose
+  budget (``max_echo``) is not spent, delivered at least ``echo_gap`` batches
+  ago; a full buffer gives way by its most-delivered examples.
+
+Each batch's rows are then shuffled, and named by their positions (``rows``),
+as the host's are: the delivery ledger, the repetition report and the ranks'
+lockstep read them. The stage runs in the consumer's thread: fresh batches are
+copied on a side stream (DeviceMover) and written into their rows on the
+consumer's stream, as are the gathers.
+
+Its state (exact checkpoints): the resident examples by position, with their
+counts and arrival numbers, the batches delivered and the generator's state;
+a resumed stage reads them again, copies them back to the device, and goes on
+choosing exactly as the uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from ...examples.leaves import leaf_to_torch
+from ...tensors.convert import import_torch
+from .. import checkpoint
+from .device_copy import DeviceMover
+from .device_rows import DeviceRows
+from .stage import Batch, Stage
+
+__all__ = ["DeviceEchoSpec", "DeviceEchoStage", "check_state"]
+
+
+@dataclass(frozen=True)
+class DeviceEchoSpec:
+    """What the device echo stage needs (built by dataecho.pipeline.plan).
+
+    Attributes:
+        device: the torch device the examples are kept on.
+        capacity: examples kept (``shuffle_buffer``); the buffer has a batch more rows.
+        batch_size: rows per batch.
+        echo_factor: mean deliveries per example, or None for "auto".
+        max_echo, gap: "auto"'s budget per example, and fewest batches between two deliveries of one.
+        exact: the fractional part by position (exact counts), not drawn.
+        drop_last: a short last batch is dropped.
+        augment: ``device_augment(batch, generator)``, or None.
+        unresumable: why no state can be taken mid-epoch, or None.
+    """
+
+    device: Any
+    capacity: int
+    batch_size: int
+    echo_factor: float | None
+    max_echo: float
+    gap: int
+    exact: bool
+    drop_last: bool
+    augment: Callable[[Any, Any], Any] | None = None
+    unresumable: str | None = None
+
+
+class DeviceEchoStage:
+    """Host batches of fresh examples in; echoed batches, on the device, out.
+
+    Args:
+        spec: the stage's settings.
+        upstream: the stage whose (fresh, host) batches are kept.
+        seed: the draws' seed; ``augment_seed`` keys each batch's device generator.
+        resume: this stage's state from a checkpoint, or None.
+        read_batch: reads examples again from their positions (for ``resume``).
+        backend: the device copies' backend (dataecho.pipeline.stages.device_copy), None: the device's.
+    """
+
+    name = "device_echo"
+
+    def __init__(self, spec: DeviceEchoSpec, upstream: Stage, seed: int, augment_seed: int,
+                 resume: dict[str, Any] | None = None,
+                 read_batch: Callable[[dict[str, np.ndarray]], Batch] | None = None, backend: Any = None) -> None:
+        self._spec, self._upstream, self._augment_seed = spec, upstream, augment_seed
+        self.unresumable = spec.unresumable
+        self._mover = DeviceMover(spec.device, backend=backend, max_unreleased=2)
+        self._lock = threading.Lock()  # around the mover and the rows: join() may come from another thread
+        slots = spec.capacity + spec.batch_size  # a fresh batch always has rows to go to
+        self._rows: DeviceRows | None = None  # made with the first batch, which tells the leaves
+        self._structure: Any = None
+        self._left = np.zeros(slots, np.int64)  # deliveries still owed (budget left, "auto"); 0: a free row
+        self._times = np.zeros(slots, np.int64)  # deliveries so far
+        self._last = np.full(slots, -1, np.int64)  # the batch of the last delivery
+        self._arrival = np.zeros(slots, np.int64)  # fresh number: draws depend on it, never on the row
+        self._position = np.zeros(slots, np.uint64)
+        self._rng = np.random.default_rng(seed)
+        self._done = self._stopped = False
+        self.fresh = self.batches = self.evicted = self.augmented = 0
+        if resume is not None:
+            self._restore(resume, read_batch)
+
+    # ---- batches ----
+
+    def next(self, timeout_s: float | None = None) -> Batch:
+        if self._stopped:
+            raise StopIteration
+        chosen = self._choose_auto(timeout_s) if self._spec.echo_factor is None else self._choose_fixed(timeout_s)
+        chosen = chosen[self._rng.permutation(len(chosen))]
+        with self._lock:
+            if self._rows is None or self._stopped:
+                raise StopIteration
+            leaves = self._rows.gather(chosen)
+        positions = self._position[chosen].copy()
+        np.add.at(self._times, chosen, 1)  # a row twice in a batch (the epoch's end) counts twice
+        self._last[chosen] = self.batches
+        np.subtract.at(self._left, chosen, 1)  # 0: the row is free (the gather above is queued before any write)
+        self.batches += 1
+        if self._spec.augment is not None:
+            leaves = self._augmented(leaves)
+        return Batch(self._structure, tuple(leaves), positions)
+
+    def _choose_fixed(self, timeout_s: float | None) -> np.ndarray:
+        spec, size = self._spec, self._spec.batch_size
+        initial = min(spec.capacity, max(spec.capacity // 4, size))
+        target = min(spec.capacity, initial + self.batches * size)
+        while not self._done and np.count_nonzero(self._left) < target:
+            self._pull(timeout_s)
+        owed = int(self._left.sum())
+        rows = size if not self._done else min(size, owed)
+        if rows == 0 or (rows < size and spec.drop_last):
+            raise StopIteration
+        picks, left = [], self._left.copy()
+        while rows:  # a round over every resident example before any repeats in the batch (epoch's end only)
+            eligible = self._by_arrival(np.flatnonzero(left > 0))
+            taken = eligible[self._rng.choice(len(eligible), min(rows, len(eligible)), replace=False)]
+            left[taken] -= 1
+            picks.append(taken)
+            rows -= len(taken)
+        return np.concatenate(picks)
+
+    def _choose_auto(self, timeout_s: float | None) -> np.ndarray:
+        spec, size = self._spec, self._spec.batch_size
+        while not self._done and self.batches == 0 and np.count_nonzero(self._left) < 2 * size:
+            self._pull(timeout_s)  # the first batch: as soon as two batches are in
+        while not self._done and self._undelivered().size < size and self._pull(0.0):
+            pass  # what is ready now, without waiting
+        while True:
+            fresh = self._undelivered()
+            chosen = fresh[self._rng.choice(len(fresh), size, replace=False)] if len(fresh) > size else fresh
+            if self._done:  # the input is over: no more repeats
+                if len(chosen) == 0 or (len(chosen) < size and spec.drop_last):
+                    raise StopIteration
+                return chosen
+            repeats = self._repeatable()[:size - len(chosen)]
+            if len(chosen) + len(repeats) == size:
+                return np.concatenate([chosen, repeats])
+            self._pull(timeout_s)  # nothing more to repeat: wait for fresh examples
+
+    def _undelivered(self) -> np.ndarray:
+        return self._by_arrival(np.flatnonzero((self._left > 0) & (self._times == 0)))
+
+    def _repeatable(self) -> np.ndarray:
+        """Delivered examples with budget left, delivered ``gap`` batches ago or more:
+        the least-delivered first, ties at random."""
+        rows = np.flatnonzero((self._left > 0) & (self._times > 0) & (self._last <= self.batches - self._spec.gap))
+        return rows[np.lexsort((self._rng.random(len(rows)), self._times[rows]))]
+
+    def _by_arrival(self, rows: np.ndarray) -> np.ndarray:
+        return rows[np.argsort(self._arrival[rows], kind="stable")]
+
+    # ---- fresh examples ----
+
+    def _pull(self, timeout_s: float | None) -> bool:
+        """Takes one fresh batch in; False at the input's end, or with
+        ``timeout_s=0`` where none is ready."""
+        try:
+            batch = self._upstream.next(timeout_s)
+        except StopIteration:
+            self._done = True
+            return False
+        except TimeoutError:
+            if timeout_s == 0.0:
+                return False
+            raise
+        self._take_in(batch, self._counts(batch))
+        return True
+
+    def _counts(self, batch: Batch) -> np.ndarray:
+        """Deliveries owed (budget, with "auto") to each example of a fresh batch."""
+        spec, n = self._spec, len(batch)
+        factor = spec.echo_factor if spec.echo_factor is not None else spec.max_echo
+        whole, fraction = math.floor(factor), factor - math.floor(factor)
+        if spec.exact and spec.echo_factor is not None:  # by position: exactly floor(n * f) extra of n
+            seq = np.asarray(batch.rows, dtype=np.float64)
+            return whole + (np.floor((seq + 1) * fraction) - np.floor(seq * fraction)).astype(np.int64)
+        return whole + (self._rng.random(n) < fraction).astype(np.int64)
+
+    def _take_in(self, batch: Batch, counts: np.ndarray, arrival: np.ndarray | None = None,
+                 times: np.ndarray | None = None, last: np.ndarray | None = None) -> None:
+        """Copies a fresh batch to the device and into free rows, owed ``counts`` deliveries."""
+        n = len(batch)
+        if n == 0:
+            return
+        with self._lock:
+            if self._stopped:
+                raise StopIteration
+            if self._rows is None:
+                self._structure = batch.structure
+                self._rows = DeviceRows(self._spec.device, len(self._left), batch.structure.paths)
+            self._rows.check_host(batch.arrays)
+            host = [leaf_to_torch(leaf) for leaf in batch.arrays]
+            self._mover.submit(host, on_done=host.clear)  # on the copy stream; host memory kept until done
+            device = self._mover.take()  # the consumer's stream waits for the copy
+            if self._spec.echo_factor is None:
+                self._make_room(n)
+            free = np.flatnonzero(self._left == 0)[:n]
+            self._rows.write(free, device)
+        self._left[free] = counts
+        self._times[free] = 0 if times is None else times
+        self._last[free] = -1 if last is None else last
+        self._arrival[free] = self.fresh + np.arange(n) if arrival is None else arrival
+        self._position[free] = np.asarray(batch.rows, dtype=np.uint64)
+        self.fresh = max(self.fresh, int(self._arrival[free].max()) + 1)
+
+    def _make_room(self, n: int) -> None:
+        """"auto": a full buffer gives way to ``n`` fresh examples by its
+        most-delivered ones (the oldest among equals); their unspent budget is counted evicted."""
+        over = np.count_nonzero(self._left) + n - self._spec.capacity
+        if over <= 0:
+            return
+        delivered = np.flatnonzero((self._left > 0) & (self._times > 0))
+        out = delivered[np.lexsort((self._arrival[delivered], -self._times[delivered]))][:over]
+        self.evicted += int(self._left[out].sum())
+        self._left[out] = 0
+
+    # ---- device augment ----
+
+    def _augmented(self, leaves: list[Any]) -> list[Any]:
+        """``device_augment`` on the batch, with a device generator keyed by (seed, epoch, rank, batch)."""
+        torch = import_torch()
+        generator = torch.Generator(device=self._rows.device)
+        key = np.random.SeedSequence([self._augment_seed, self.batches]).generate_state(1, np.uint64)[0]
+        generator.manual_seed(int(key) >> 1)
+        out = self._spec.augment(self._structure.unflatten(leaves), generator)
+        found: list[Any] = []
+        _device_leaves(self._structure.root, out, "", found, torch)
+        self.augmented += len(leaves[0])
+        return found
+
+    # ---- the stage's life ----
+
+    def stop(self) -> None:
+        self._stopped = True  # no threads: the next call ends
+
+    def join(self, timeout_s: float) -> None:
+        """Waits for the copies in flight and gives the device memory back."""
+        with self._lock:
+            self._stopped = True
+            try:
+                self._mover.close()
+            finally:
+                if self._rows is not None:
+                    self._rows.release()
+
+    def counters(self) -> dict[str, Any]:
+        resident = int(np.count_nonzero(self._left))
+        memory = {"resident": resident, "rows": len(self._left),
+                  "bytes": self._rows.nbytes if self._rows is not None else 0, "evicted": self.evicted}
+        return {"device_memory": memory, "augmented": self.augmented}
+
+    def state(self, timeout_s: float | None = None) -> dict[str, Any] | None:
+        if self.unresumable is not None:
+            return None
+        rows = self._by_arrival(np.flatnonzero(self._left))
+        return {"positions": self._position[rows].copy(), "left": self._left[rows].astype(np.uint32),
+                "times": self._times[rows].astype(np.uint32), "last": self._last[rows].copy(),
+                "arrival": self._arrival[rows].astype(np.uint64), "fresh": self.fresh, "batches": self.batches,
+                "evicted": self.evicted, "upstream_done": self._done, "rng": self._rng.bit_generator.state}
+
+    def _restore(self, state: dict[str, Any], read_batch: Callable[[dict[str, np.ndarray]], Batch]) -> None:
+        self.batches, self.evicted, self._done = state["batches"], state["evicted"], state["upstream_done"]
+        positions, size = state["positions"], self._spec.batch_size
+        for start in range(0, len(positions), size):  # a batch at a time, through the same copies
+            part = slice(start, start + size)
+            batch = read_batch({"rows": positions[part]})
+            self._take_in(batch, state["left"][part].astype(np.int64), state["arrival"][part].astype(np.int64),
+                          state["times"][part].astype(np.int64), state["last"][part])
+        self.fresh = state["fresh"]
+        self._rng.bit_generator.state = state["rng"]
+
+
+def _device_leaves(node: Any, value: Any, path: str, out: list[Any], torch: Any) -> None:
+    """``device_augment``'s result, flattened in the structure's order (tensors kept as they are)."""
+    where = path or "the batch"
+    if node.kind in ("leaf", "raw"):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"device_augment: expected a tensor at {where!r}, got {type(value).__name__}")
+        out.append(value)
+        return
+    if node.kind == "dict":
+        if not isinstance(value, dict) or set(value) != set(node.keys):
+            raise TypeError(f"device_augment: expected a dict with keys {list(node.keys)} at {where!r}")
+        for key, child in zip(node.keys, node.children):
+            _device_leaves(child, value[key], f"{path}/{key}" if path else str(key), out, torch)
+        return
+    if not isinstance(value, (tuple, list)) or len(value) != len(node.children):
+        raise TypeError(f"device_augment: expected a {node.kind} of {len(node.children)} at {where!r}")
+    for i, child in enumerate(node.children):
+        _device_leaves(child, value[i], f"{path}/{i}" if path else str(i), out, torch)
+
+
+def check_state(spec: DeviceEchoSpec, state: dict, order: np.ndarray, where: str) -> dict[str, Any]:
+    """This stage's saved state, checked against the epoch's order and normalized.
+
+    Raises:
+        ValueError: a state this stage could not have saved, naming the key.
+    """
+    positions = checkpoint.array_at(state, "positions", np.uint64, where)
+    if len(positions) > spec.capacity + spec.batch_size or (len(positions) and positions.max() >= len(order)):
+        raise ValueError(f"{where}['positions']: more than the buffer holds, or beyond the epoch's order")
+    arrays = {key: checkpoint.array_at(state, key, dtype, where)
+              for key, dtype in (("left", np.uint32), ("times", np.uint32), ("arrival", np.uint64))}
+    last = np.asarray(state.get("last"))
+    if last.ndim != 1 or not np.issubdtype(last.dtype, np.integer) or (last.size and last.min() < -1):
+        raise ValueError(f"{where}['last']: expected a 1-d integer array of batch numbers (-1: none)")
+    if any(len(a) != len(positions) for a in (*arrays.values(), last)) or (len(positions) and arrays["left"].min() < 1):
+        raise ValueError(f"{where}: positions, left, times, last and arrival differ in length, or a left below 1")
+    if not isinstance(state.get("rng"), dict):
+        raise ValueError(f"{where}['rng']: expected a generator state (a dict)")
+    return {"positions": positions, **arrays, "last": last.astype(np.int64), "rng": state["rng"],
+            **{key: checkpoint.int_at(state, key, where) for key in ("fresh", "batches", "evicted")},
+            "upstream_done": checkpoint.bool_at(state, "upstream_done", where)}
