@@ -202,6 +202,22 @@ def test_auto_repeats_on_the_device_while_the_input_is_slow():
     assert stats["repetition"]["max"] == max(counts.values())
 
 
+def test_auto_read_in_the_loops_thread_repeats_while_reading_costs_more_than_the_step():
+    # num_workers=0: the loop's thread reads (16 ms a batch here), so nothing reads while it steps;
+    # over time it reads for as long as it steps and repeats fill the rest, as the host's paced reading.
+    delivered = []
+    for step_s in (0.0, 0.05):
+        with device_loader(Records(N, delay_s=0.001), echo_factor="auto", num_workers=0) as loader:
+            counts = Counter()
+            for batch in loader:
+                counts.update(batch["id"].tolist())
+                time.sleep(step_s)
+        assert set(counts) == set(range(N)) and max(counts.values()) <= 4
+        delivered.append(sum(counts.values()))
+    assert delivered[0] > 2 * N, "a step that takes no time: mostly repeats"
+    assert delivered[1] < delivered[0], "a step longer than the reads: fewer repeats"
+
+
 # ---- device augment ----
 
 

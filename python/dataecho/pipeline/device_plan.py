@@ -36,7 +36,7 @@ def device_plan(config: LoaderConfig, host_plan: Callable[[LoaderConfig], Any]) 
     spec = DeviceEchoSpec(device=config.device, capacity=config.shuffle_buffer, batch_size=config.batch_size,
                           echo_factor=echo.factor, max_echo=echo.max_echo, gap=echo.gap, exact=config.exact_echo,
                           drop_last=config.drop_last, augment=config.device_augment,
-                          unresumable=None if exact else _UNRESUMABLE)
+                          unresumable=None if exact else _UNRESUMABLE, paced=echo.auto and config.workers == 0)
     order = planned.source.order
     return dataclasses.replace(
         planned, intake=intake, device_echo=spec, delivery=None, checkpoint="exact" if exact else None,

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -64,6 +65,8 @@ class DeviceEchoSpec:
         drop_last: a short last batch is dropped.
         augment: ``device_augment(batch, generator)``, or None.
         unresumable: why no state can be taken mid-epoch, or None.
+        paced: "auto" read in the loop's thread (``num_workers=0``): a fresh batch is read only where
+            the time the loop spent outside ``next()`` pays for it (as the host's paced reading).
     """
 
     device: Any
@@ -76,6 +79,7 @@ class DeviceEchoSpec:
     drop_last: bool
     augment: Callable[[Any, Any], Any] | None = None
     unresumable: str | None = None
+    paced: bool = False
 
 
 class DeviceEchoStage:
@@ -109,6 +113,8 @@ class DeviceEchoStage:
         self._position = np.zeros(slots, np.uint64)
         self._rng = np.random.default_rng(seed)
         self._done = self._stopped = False
+        self._credit = self._burst_s = 0.0  # paced: seconds of steps less those of reading; the longest read
+        self._returned: float | None = None  # when the last batch was handed out
         self.fresh = self.batches = self.evicted = self.augmented = 0
         if resume is not None:
             self._restore(resume, read_batch)
@@ -118,6 +124,8 @@ class DeviceEchoStage:
     def next(self, timeout_s: float | None = None) -> Batch:
         if self._stopped:
             raise StopIteration
+        if self._returned is not None:  # paced: the step just taken pays for reading (a burst ahead at most)
+            self._credit = min(self._credit + time.perf_counter() - self._returned, self._burst_s)
         chosen = self._choose_auto(timeout_s) if self._spec.echo_factor is None else self._choose_fixed(timeout_s)
         chosen = chosen[self._rng.permutation(len(chosen))]
         with self._lock:
@@ -131,6 +139,7 @@ class DeviceEchoStage:
         self.batches += 1
         if self._spec.augment is not None:
             leaves = self._augmented(leaves)
+        self._returned = time.perf_counter()
         return Batch(self._structure, tuple(leaves), positions)
 
     def _choose_fixed(self, timeout_s: float | None) -> np.ndarray:
@@ -156,8 +165,8 @@ class DeviceEchoStage:
         spec, size = self._spec, self._spec.batch_size
         while not self._done and self.batches == 0 and np.count_nonzero(self._left) < 2 * size:
             self._pull(timeout_s)  # the first batch: as soon as two batches are in
-        while not self._done and self._undelivered().size < size and self._pull(0.0):
-            pass  # what is ready now, without waiting
+        while not self._done and self._undelivered().size < size and self._fresh_now():
+            pass
         while True:
             fresh = self._undelivered()
             chosen = fresh[self._rng.choice(len(fresh), size, replace=False)] if len(fresh) > size else fresh
@@ -169,6 +178,23 @@ class DeviceEchoStage:
             if len(chosen) + len(repeats) == size:
                 return np.concatenate([chosen, repeats])
             self._pull(timeout_s)  # nothing more to repeat: wait for fresh examples
+
+    def _fresh_now(self) -> bool:
+        """Takes a fresh batch in without making the step wait: one ready now
+        (readers read ahead), or paced, one read while the steps have paid for
+        the reading so far, give or take one burst (the intake reads until its
+        buffer is full: several batches at once, then none): over time the
+        loop's thread reads for as long as it steps, and repeats fill the rest."""
+        if not self._spec.paced:
+            return self._pull(0.0)
+        if self._credit < -self._burst_s:
+            return False
+        started = time.perf_counter()
+        pulled = self._pull(None)
+        spent = time.perf_counter() - started
+        self._burst_s = max(spent, 0.9 * self._burst_s)  # the longest recent read, forgotten slowly
+        self._credit -= spent
+        return pulled
 
     def _undelivered(self) -> np.ndarray:
         return self._by_arrival(np.flatnonzero((self._left > 0) & (self._times == 0)))
