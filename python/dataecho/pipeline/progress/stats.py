@@ -65,8 +65,7 @@ class Totals:
                         extra={"dataecho": flatten({"epoch": counters["epoch"], **figures}, "dataecho/epoch/")})
 
     def stats(self, current: Any, epoch: int, flat: bool = False, prefix: str = "dataecho/") -> dict[str, Any]:
-        """The totals, with the running epoch's counters (``current``, or None)
-        added; ``epoch`` is the number of the current or last epoch.
+        """The totals, with the running epoch's (``current``, or None); ``epoch``: the current or last one's number.
 
         Returns:
             fresh: examples read from the source and put in the echo buffer;
@@ -75,7 +74,7 @@ class Totals:
             fresh_batches, delivered_batches: with ``echo_at="batch"``, the
             batches batch echoing took from the echo buffer, and those it
             yielded (repeats counted); 0 otherwise;
-            augmented: examples handed to ``augment`` (every repeat; 0 without);
+            augmented: examples handed to ``augment`` or ``device_augment`` (every repeat; 0 without);
             lockstep_repeats, lockstep_wait_s: with ``echo_factor="auto"`` on
             several ranks, the batches this rank repeated once its shard was
             delivered, while other ranks finished theirs, and the seconds its
@@ -100,10 +99,8 @@ class Totals:
             ``memory``: the echo buffer's ``resident`` examples (``held``: in
             its slots, on their way in too), ``slot_bytes`` per example, and the
             bytes of ragged values held (``ragged_bytes_in_use``) out of its
-            budget (``ragged_bytes``); None before the first; ``device_memory``:
-            with ``echo_at="device"``, the examples kept on the device
-            (``resident``), its ``rows`` and ``bytes``, and the unspent budget
-            of examples it gave way by (``evicted``, "auto"); else None;
+            budget (``ragged_bytes``); None before the first; ``device_memory`` (``echo_at="device"``):
+            examples ``resident`` there, ``rows``, ``bytes``, unspent budget ``evicted``;
             workers: for that epoch, per producer thread or process: examples
             produced and seconds busy reading and transforming (and a worker
             process's ``pid``).
@@ -124,8 +121,7 @@ class Totals:
         stats = {**_figures(sums), "epoch": epoch, "epochs": dict(self._ended), "repetition": self._seen.report(),
                  "this_epoch": None if this is None else {"epoch": this["epoch"], "state": this["state"],
                                                           **_figures(this), "repetition": this["repetition"],
-                                                          "memory": this.get("memory"),
-                                                          "device_memory": this.get("device_memory")},
+                                                          **{k: this.get(k) for k in ("memory", "device_memory")}},
                  "workers": workers}
         return flatten(stats, prefix) if flat else stats
 
