@@ -36,11 +36,11 @@ say() { echo "[device-check ${MODE} $(($(date +%s) - START))s] $*" | tee -a "$LO
 
 # Budgets in seconds (the benchmark's own --budget-s, then the hard limit): about 8 minutes on the GPU machine.
 if [[ "$MODE" == gpu ]]; then
-  BUDGETS=(handoff:45:70 gpu_step:90:130 paper:120:160 scaling:75:110)
+  BUDGETS=(handoff:35:60 gpu_step:90:130 paper:110:150 scaling:65:100 device_echo:45:80)
   SIZE=()
   TEST_LIMIT=120
 else
-  BUDGETS=(handoff:15:40 gpu_step:25:60 paper:25:60 scaling:25:60)
+  BUDGETS=(handoff:15:40 gpu_step:25:60 paper:25:60 scaling:25:60 device_echo:25:60)
   SIZE=(--cpu)
   TEST_LIMIT=120
 fi
@@ -87,6 +87,7 @@ cuda_tests() {
   # The tests of the CUDA paths: on a GPU they run on it; on the CPU the ones that need it say so and skip.
   timeout "$TEST_LIMIT" "$PY" -m pytest -q -p no:cacheprovider -k "cuda or pinned or device or mover" \
     --junitxml="$PARTS/cuda-tests.xml" tests/test_torch_tensors.py tests/test_loader.py tests/test_device_paths.py \
+    tests/test_device_echo.py \
     >> "$LOG" 2>&1
 }
 

@@ -21,7 +21,7 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 from typing import Any
 
-BENCHMARKS = ("handoff", "gpu_step", "paper", "scaling")
+BENCHMARKS = ("handoff", "gpu_step", "paper", "scaling", "device_echo")
 _MARKS = {True: "met", False: "NOT met", None: "not measured here"}
 
 

@@ -17,6 +17,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -186,3 +187,27 @@ class Augment:
 def to_float(example: dict) -> dict:
     """The un-augmented form (validation, and the input of batch echoing's check)."""
     return {"image": (example["image"].astype(np.float32) / 255.0)[None], "label": example["label"]}
+
+
+class DeviceAugment:
+    """:class:`Augment`'s batched twin, for echo on the device (``echo_at="device"``):
+    the same random shifts and pixel noise, for a whole batch of device tensors
+    at once, drawn from the generator the loader hands it (keyed by seed,
+    epoch, rank and batch): no host work per repeat."""
+
+    def __init__(self, shift: int = 2, noise: float = 0.1) -> None:
+        self.shift, self.noise = shift, noise
+
+    def __call__(self, batch: dict, generator: Any) -> dict:
+        import torch
+
+        images, s = batch["image"], self.shift
+        n, device = images.shape[0], images.device
+        padded = torch.nn.functional.pad(images, (s, s, s, s))
+        dy, dx = torch.randint(0, 2 * s + 1, (2, n, 1), generator=generator, device=device)
+        span = torch.arange(PIXELS, device=device)
+        rows = (dy + span).view(n, PIXELS, 1).expand(n, PIXELS, PIXELS + 2 * s)
+        crop = padded.gather(1, rows).gather(2, (dx + span).view(n, 1, PIXELS).expand(n, PIXELS, PIXELS))
+        crop = crop.float() / 255.0
+        crop += torch.randn(crop.shape, generator=generator, device=device) * self.noise
+        return {"image": crop[:, None], "label": batch["label"]}

@@ -12,7 +12,7 @@ import numpy as np
 
 import dataecho
 
-from .digits import Augment, PngDigits
+from .digits import Augment, DeviceAugment, PngDigits
 
 SMOOTHING = 3  # evaluations averaged for the target test
 
@@ -25,8 +25,9 @@ class Config:
         name: as printed.
         echo: the echo factor, or "auto".
         placement: "before" (echo, then augment each repeat), "after" (augment,
-            then echo the augmented example) or "batch" (echo whole batches,
-            augment each delivery).
+            then echo the augmented example), "batch" (echo whole batches,
+            augment each delivery) or "device" (echo on the model's device,
+            each batch augmented there: DeviceAugment).
     """
 
     name: str
@@ -42,6 +43,8 @@ CONFIGS = (
     Config("batch echo, e=2", 2.0, "batch"),
     Config('echo_factor="auto" (max 4)', "auto", "before"),
 )
+# Echo on the model's device, augmented there (bench/bench_device_echo.py sets it against "before").
+ON_DEVICE = Config("example echo on the device, e=2", 2.0, "device")
 
 
 @dataclass
@@ -72,6 +75,12 @@ def make_loader(config: Config, dataset: PngDigits, augment: Augment, *, batch_s
     training process's GIL to the step; "thread" (the default) in threads."""
     after = config.placement == "after"
     cuda = device is not None and str(device).startswith("cuda")
+    if config.placement == "device":
+        return dataecho.EchoLoader(dataset, batch_size=batch_size, echo_factor=config.echo, echo_at="device",
+                                   device=device or "cpu", device_augment=DeviceAugment(), shuffle_buffer=1024,
+                                   num_workers=workers, seed=seed, max_echo=4.0, output="torch", pin_memory=cuda,
+                                   **({"worker_type": "process", "persistent_workers": True}
+                                      if worker_type == "process" else {}))
     processes = {"worker_type": "process", "persistent_workers": True} if worker_type == "process" else {}
     return dataecho.EchoLoader(
         dataset,
