@@ -118,6 +118,31 @@ def test_loader_and_rates_on_either_worker_type(cache, worker_type):
     assert measured["r"] == pytest.approx(measured["step_per_s"] / measured["input_per_s"])
 
 
+def test_device_augment_shifts_the_batch_and_draws_from_its_generator(cache):
+    torch = pytest.importorskip("torch")
+    from dataecho.demo.train import ON_DEVICE, make_loader
+
+    images = torch.from_numpy(digits.load()[0][:32])
+    augment = digits.DeviceAugment(noise=0.0)
+    out = augment({"image": images, "label": torch.zeros(32)}, torch.Generator().manual_seed(1))["image"]
+    assert out.shape == (32, 1, 28, 28) and out.dtype == torch.float32
+    padded = torch.nn.functional.pad(images, (2, 2, 2, 2)).float() / 255.0
+    shifts = [next((dy, dx) for dy in range(5) for dx in range(5) if torch.equal(padded[i, dy:dy + 28, dx:dx + 28],
+                                                                                  out[i, 0])) for i in range(32)]
+    assert len(set(shifts)) > 5, "each image its own shift"
+    again = augment({"image": images, "label": torch.zeros(32)}, torch.Generator().manual_seed(1))["image"]
+    assert torch.equal(out, again), "the same generator state, the same batch"
+    _, files, labels = cache
+    dataset = digits.PngDigits(files, labels, np.arange(64), latency_s=0.0)
+    loader = make_loader(ON_DEVICE, dataset, digits.Augment(0), batch_size=16, workers=1, seed=0, device=None)
+    try:
+        batches = list(loader)
+    finally:
+        loader.close()
+    assert sum(len(b["label"]) for b in batches) == 2 * 64
+    assert batches[0]["image"].shape == (16, 1, 28, 28) and batches[0]["image"].dtype == torch.float32
+
+
 def test_demo_quick_end_to_end(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("matplotlib")

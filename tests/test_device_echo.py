@@ -347,3 +347,20 @@ def test_cuda_device_echo_counts_rows_and_augment():
         started = time.perf_counter()
         batches = epoch_ids(loader)
     assert Counter(i for b in batches for i in b) == Counter({i: 2 for i in range(N)}), time.perf_counter() - started
+
+
+@needs_cuda
+def test_cuda_device_echo_with_the_loop_switching_streams():
+    # Each batch asked for under another stream: the rows' writes and gathers keep their order across them.
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    batches = []
+    with device_loader(echo_factor=3, device="cuda") as loader:
+        epoch = iter(loader)
+        for k in range(10 ** 6):
+            with torch.cuda.stream(streams[k % 2]):
+                try:
+                    batch = next(epoch)
+                except StopIteration:
+                    break
+                batches.append(checked_ids({key: value.cpu() for key, value in batch.items()}).tolist())
+    assert Counter(i for b in batches for i in b) == Counter({i: 3 for i in range(N)})

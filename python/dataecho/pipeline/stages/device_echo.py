@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -293,11 +294,18 @@ class DeviceEchoStage:
         self._stopped = True  # no threads: the next call ends
 
     def join(self, timeout_s: float) -> None:
-        """Waits for the copies in flight and gives the device memory back."""
+        """Waits for the copies in flight and gives the device memory back.
+
+        Never raises: a failure (the device failed, as after a CUDA error in
+        the training step) is a RuntimeWarning; the loop has seen its cause.
+        """
         with self._lock:
             self._stopped = True
             try:
                 self._mover.close()
+            except Exception as exc:  # noqa: BLE001 - reported; the other stages still join
+                warnings.warn(f"EchoLoader: closing the device echo's copies: {type(exc).__name__}: {exc}",
+                              RuntimeWarning, stacklevel=2)
             finally:
                 if self._rows is not None:
                     self._rows.release()

@@ -7,7 +7,10 @@ Memory safety: the stage never hands out these tensors or a view of them.
 ``gather`` returns new tensors (``index_select``), so a slot is rewritten for
 the next fresh example while batches gathered from it live on; on a CUDA
 device both are queued on the consumer's current stream, in the order they
-were asked for, so the write waits for every earlier gather.
+were asked for, so the write waits for every earlier gather. Where the loop
+changes its current stream between batches, the new stream first waits for
+the work queued on the one used before (``wait_stream``, on the device: the
+host does not wait), so that the order holds across streams too.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class DeviceRows:
         self.slots = slots
         self._paths = paths
         self._leaves: list[Any] | None = None
+        self._stream: Any = None  # CUDA: the stream the last write or gather was queued on
 
     @property
     def nbytes(self) -> int:
@@ -59,18 +63,29 @@ class DeviceRows:
         """Rows ``slots`` of every leaf become ``leaves`` (device tensors, one row per slot)."""
         if self._leaves is None:
             self._allocate(leaves)
+        self._follow_stream()
         index = self._index(slots)
         for kept, leaf in zip(self._leaves, leaves):
             kept.index_copy_(0, index, leaf)
 
     def gather(self, slots: np.ndarray) -> list[Any]:
         """New tensors of rows ``slots`` of every leaf, in that order."""
+        self._follow_stream()
         index = self._index(slots)
         return [kept.index_select(0, index) for kept in self._leaves]
 
     def release(self) -> None:
         """Gives the device memory back (to torch's allocator)."""
         self._leaves = None
+
+    def _follow_stream(self) -> None:
+        """CUDA: work on the rows goes on the current stream, after what the previous one queued on them."""
+        if self.device.type != "cuda":
+            return
+        current = self._torch.cuda.current_stream(self.device)
+        if self._stream is not None and current != self._stream:
+            current.wait_stream(self._stream)
+        self._stream = current
 
     def _index(self, slots: np.ndarray) -> Any:
         return self._torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(self.device)
