@@ -104,12 +104,7 @@ def test_loader_and_rates_on_either_worker_type(cache, worker_type):
     dataset = digits.PngDigits(files, labels, train_idx[:64], latency_s=0.0)
     loader = make_loader(CONFIGS[2], dataset, digits.Augment(0), batch_size=16, workers=1, seed=0, device=None,
                          worker_type=worker_type)  # example echo before augment, e=4
-    try:
-        batches = list(loader)
-    finally:
-        loader.close()
-    assert sum(len(b["label"]) for b in batches) == 4 * 64
-    assert batches[0]["image"].shape == (16, 1, 28, 28) and batches[0]["image"].dtype == torch.float32
+    check_batches(torch, loader, 4 * 64)
     validation = (np.stack([digits.to_float({"image": digits.decode(files[i]), "label": 0})["image"]
                             for i in val_idx]), labels[val_idx])
     measured = rates.measure(torch, dataset, validation, batch_size=16, workers=1, seed=0, device="cpu",
@@ -134,12 +129,17 @@ def test_device_augment_shifts_the_batch_and_draws_from_its_generator(cache):
     assert torch.equal(out, again), "the same generator state, the same batch"
     _, files, labels = cache
     dataset = digits.PngDigits(files, labels, np.arange(64), latency_s=0.0)
-    loader = make_loader(ON_DEVICE, dataset, digits.Augment(0), batch_size=16, workers=1, seed=0, device=None)
+    check_batches(torch, make_loader(ON_DEVICE, dataset, digits.Augment(0), batch_size=16, workers=1, seed=0,
+                                     device=None), 2 * 64)
+
+
+def check_batches(torch, loader, delivered: int) -> None:
+    """An epoch of the demo's ``loader``: ``delivered`` examples, as float images of 1 x 28 x 28; closed after."""
     try:
         batches = list(loader)
     finally:
         loader.close()
-    assert sum(len(b["label"]) for b in batches) == 2 * 64
+    assert sum(len(b["label"]) for b in batches) == delivered
     assert batches[0]["image"].shape == (16, 1, 28, 28) and batches[0]["image"].dtype == torch.float32
 
 

@@ -139,7 +139,8 @@ class DeviceEchoStage:
         np.subtract.at(self._left, chosen, 1)  # 0: the row is free (the gather above is queued before any write)
         self.batches += 1
         if self._spec.augment is not None:
-            leaves = self._augmented(leaves)
+            leaves = _augmented(self._spec.augment, self._structure, leaves, self._augment_seed, self.batches - 1)
+            self.augmented += len(positions)
         self._returned = time.perf_counter()
         return Batch(self._structure, tuple(leaves), positions)
 
@@ -274,20 +275,6 @@ class DeviceEchoStage:
         self.evicted += int(self._left[out].sum())
         self._left[out] = 0
 
-    # ---- device augment ----
-
-    def _augmented(self, leaves: list[Any]) -> list[Any]:
-        """``device_augment`` on the batch, with a device generator keyed by (seed, epoch, rank, batch)."""
-        torch = import_torch()
-        generator = torch.Generator(device=self._rows.device)
-        key = np.random.SeedSequence([self._augment_seed, self.batches]).generate_state(1, np.uint64)[0]
-        generator.manual_seed(int(key) >> 1)
-        out = self._spec.augment(self._structure.unflatten(leaves), generator)
-        found: list[Any] = []
-        _device_leaves(self._structure.root, out, "", found, torch)
-        self.augmented += len(leaves[0])
-        return found
-
     # ---- the stage's life ----
 
     def stop(self) -> None:
@@ -335,6 +322,19 @@ class DeviceEchoStage:
                           state["times"][part].astype(np.int64), state["last"][part])
         self.fresh = state["fresh"]
         self._rng.bit_generator.state = state["rng"]
+
+
+def _augmented(augment: Callable[[Any, Any], Any], structure: Any, leaves: list[Any], seed: int,
+               batch: int) -> list[Any]:
+    """``device_augment`` on a batch's leaves, with a device generator keyed by (seed, epoch, rank: ``seed``) and
+    the batch's number, so that a batch's augmentation follows from the seed and the batch alone (and resumes)."""
+    torch = import_torch()
+    generator = torch.Generator(device=leaves[0].device)
+    key = np.random.SeedSequence([seed, batch]).generate_state(1, np.uint64)[0]
+    generator.manual_seed(int(key) >> 1)
+    found: list[Any] = []
+    _device_leaves(structure.root, augment(structure.unflatten(leaves), generator), "", found, torch)
+    return found
 
 
 def _device_leaves(node: Any, value: Any, path: str, out: list[Any], torch: Any) -> None:
