@@ -71,6 +71,11 @@ def test_device_echo_delivers_each_example_as_often_as_host_echo_does(echo):
     check_no_duplicates_while_a_batch_is_left(batches)
 
 
+def test_shuffle_false_at_echo_1_is_the_reading_order_as_on_the_host():
+    with device_loader(echo_factor=1, shuffle=False) as loader:
+        assert [i for batch in epoch_ids(loader) for i in batch] == list(range(N))
+
+
 def test_repeats_are_shuffled_through_the_device_buffer():
     with device_loader(echo_factor=2, shuffle_buffer=128) as loader:
         batches = epoch_ids(loader)

@@ -30,13 +30,15 @@ def device_plan(config: LoaderConfig, host_plan: Callable[[LoaderConfig], Any]) 
     planned = host_plan(host)
     exact = planned.checkpoint == "exact"
     # Every fresh example reaches the device (drop_last is the device stage's), drawn at random from the
-    # host's two batches (the device's buffer does the shuffling), and a state is exact or refused.
-    intake = dataclasses.replace(planned.intake, drop_last=False, in_order=False,
+    # host's two batches (the device's buffer does the shuffling; in order only where the loader is: shuffle=False
+    # at echo 1), and a state is exact or refused.
+    intake = dataclasses.replace(planned.intake, drop_last=False, in_order=config.in_order,
                                  unresumable=None if exact else _UNRESUMABLE)
     spec = DeviceEchoSpec(device=config.device, capacity=config.shuffle_buffer, batch_size=config.batch_size,
                           echo_factor=echo.factor, max_echo=echo.max_echo, gap=echo.gap, exact=config.exact_echo,
                           drop_last=config.drop_last, augment=config.device_augment,
-                          unresumable=None if exact else _UNRESUMABLE, paced=echo.auto and config.workers == 0)
+                          unresumable=None if exact else _UNRESUMABLE, paced=echo.auto and config.workers == 0,
+                          in_order=config.in_order)
     order = planned.source.order
     return dataclasses.replace(
         planned, intake=intake, device_echo=spec, delivery=None, checkpoint="exact" if exact else None,

@@ -68,6 +68,7 @@ class DeviceEchoSpec:
         unresumable: why no state can be taken mid-epoch, or None.
         paced: "auto" read in the loop's thread (``num_workers=0``): a fresh batch is read only where
             the time the loop spent outside ``next()`` pays for it (as the host's paced reading).
+        in_order: ``shuffle=False`` at echo 1: batches in reading order (the oldest first), as the host's.
     """
 
     device: Any
@@ -81,6 +82,7 @@ class DeviceEchoSpec:
     augment: Callable[[Any, Any], Any] | None = None
     unresumable: str | None = None
     paced: bool = False
+    in_order: bool = False
 
 
 class DeviceEchoStage:
@@ -128,7 +130,8 @@ class DeviceEchoStage:
         if self._returned is not None:  # paced: the step just taken pays for reading (a burst ahead at most)
             self._credit = min(self._credit + time.perf_counter() - self._returned, self._burst_s)
         chosen = self._choose_auto(timeout_s) if self._spec.echo_factor is None else self._choose_fixed(timeout_s)
-        chosen = chosen[self._rng.permutation(len(chosen))]
+        if not self._spec.in_order:
+            chosen = chosen[self._rng.permutation(len(chosen))]
         with self._lock:
             if self._rows is None or self._stopped:
                 raise StopIteration
@@ -157,7 +160,9 @@ class DeviceEchoStage:
         picks, left = [], self._left.copy()
         while rows:  # a round over every resident example before any repeats in the batch (epoch's end only)
             eligible = self._by_arrival(np.flatnonzero(left > 0))
-            taken = eligible[self._rng.choice(len(eligible), min(rows, len(eligible)), replace=False)]
+            count = min(rows, len(eligible))
+            drawn = np.arange(count) if spec.in_order else self._rng.choice(len(eligible), count, replace=False)
+            taken = eligible[drawn]
             left[taken] -= 1
             picks.append(taken)
             rows -= len(taken)
