@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="echo on the device needs torch: pip install 'dataecho[torch]'")
 
 import dataecho  # noqa: E402
-from dataecho.pipeline.stages import device_echo, device_rows  # noqa: E402
+from dataecho.pipeline.stages import device_fresh, device_rows  # noqa: E402
 from dataecho.pipeline.stages.device_copy import DeviceMover  # noqa: E402
 from support import PAYLOAD, Records, checked_ids, one  # noqa: E402
 from test_device_paths import DmaBackend  # noqa: E402
@@ -299,15 +299,23 @@ def test_fresh_batches_reach_the_device_rows_whole_and_their_host_memory_only_af
         options.pop("backend", None)
         return DeviceMover(device, backend=made[-1], **options)
 
-    monkeypatch.setattr(device_echo, "DeviceMover", mover)
-    with device_loader(echo_factor=2, prefetch_factor=1) as loader:
-        counts = Counter(i for batch in epoch_ids(loader) for i in batch)
+    monkeypatch.setattr(device_fresh, "DeviceMover", mover)
+    handed_out = []  # the copy log's length as each batch was handed out
+    with device_loader(echo_factor=2, prefetch_factor=1, shuffle_buffer=32) as loader:
+        counts = Counter()
+        for batch in loader:
+            handed_out.append(len(made[-1].log))
+            counts.update(checked_ids(batch).tolist())
     assert counts == Counter({i: 2 for i in range(N)}), "every row whole, from the copy that landed"
     backend = made[-1]
     assert not backend.released_in_flight and not backend.reused_in_flight
-    waits = [entry for entry in backend.log if entry[0] == "wait"]
-    assert len(waits) == N // B and all(stream == "default" for _, stream, _ in waits), \
+    log = backend.log
+    waits = [(at, entry[2]) for at, entry in enumerate(log) if entry[0] == "wait"]
+    assert len(waits) == N // B and all(log[at][1] == "default" for at, _ in waits), \
         "each fresh batch once, waited for by the consumer's stream before its rows are written"
+    recorded = {entry[1]: at for at, entry in enumerate(log) if entry[0] == "record"}
+    ahead = sum(any(recorded[event] < mark <= at for mark in handed_out) for at, event in waits)
+    assert ahead >= len(waits) - 4, "past the first batches, each fresh copy starts a batch before it is needed"
 
 
 # ---- what it refuses ----

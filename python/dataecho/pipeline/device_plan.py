@@ -38,7 +38,7 @@ def device_plan(config: LoaderConfig, host_plan: Callable[[LoaderConfig], Any]) 
                           echo_factor=echo.factor, max_echo=echo.max_echo, gap=echo.gap, exact=config.exact_echo,
                           drop_last=config.drop_last, augment=config.device_augment,
                           unresumable=None if exact else _UNRESUMABLE, paced=echo.auto and config.workers == 0,
-                          in_order=config.in_order)
+                          in_order=config.in_order, inline=config.workers == 0)
     order = planned.source.order
     return dataclasses.replace(
         planned, intake=intake, device_echo=spec, delivery=None, checkpoint="exact" if exact else None,

@@ -22,13 +22,14 @@ on small host arrays, one entry per row:
 Each batch's rows are then shuffled, and named by their positions (``rows``),
 as the host's are: the delivery ledger, the repetition report and the ranks'
 lockstep read them. The stage runs in the consumer's thread: fresh batches are
-copied on a side stream (DeviceMover) and written into their rows on the
-consumer's stream, as are the gathers.
+copied on a side stream a batch ahead of need (dataecho.pipeline.stages.device_fresh)
+and written into their rows on the consumer's stream, as are the gathers.
 
 Its state (exact checkpoints): the resident examples by position, with their
-counts and arrival numbers, the batches delivered and the generator's state;
-a resumed stage reads them again, copies them back to the device, and goes on
-choosing exactly as the uninterrupted one would.
+counts and arrival numbers, the batches delivered, the generator's state and
+the fresh batch taken ahead (``pending``); a resumed stage reads them again,
+copies them back to the device, and goes on choosing exactly as the
+uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -42,10 +43,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ...examples.leaves import leaf_to_torch
 from ...tensors.convert import import_torch
 from .. import checkpoint
-from .device_copy import DeviceMover
+from .device_fresh import FreshBatches
 from .device_rows import DeviceRows
 from .stage import Batch, Stage
 
@@ -69,6 +69,7 @@ class DeviceEchoSpec:
         paced: "auto" read in the loop's thread (``num_workers=0``): a fresh batch is read only where
             the time the loop spent outside ``next()`` pays for it (as the host's paced reading).
         in_order: ``shuffle=False`` at echo 1: batches in reading order (the oldest first), as the host's.
+        inline: the loop's thread reads (``num_workers=0``): no fresh batch is taken ahead of need.
     """
 
     device: Any
@@ -83,6 +84,7 @@ class DeviceEchoSpec:
     unresumable: str | None = None
     paced: bool = False
     in_order: bool = False
+    inline: bool = False
 
 
 class DeviceEchoStage:
@@ -102,10 +104,12 @@ class DeviceEchoStage:
     def __init__(self, spec: DeviceEchoSpec, upstream: Stage, seed: int, augment_seed: int,
                  resume: dict[str, Any] | None = None,
                  read_batch: Callable[[dict[str, np.ndarray]], Batch] | None = None, backend: Any = None) -> None:
-        self._spec, self._upstream, self._augment_seed = spec, upstream, augment_seed
+        self._spec, self._augment_seed = spec, augment_seed
         self.unresumable = spec.unresumable
-        self._mover = DeviceMover(spec.device, backend=backend, max_unreleased=2)
-        self._lock = threading.Lock()  # around the mover and the rows: join() may come from another thread
+        # Read ahead where readers do: the loop's thread would read the next batch itself (num_workers=0).
+        self._fresh = FreshBatches(spec.device, upstream, not spec.inline, self._check,
+                                   resume["pending"] if resume else None, read_batch, backend)
+        self._lock = threading.Lock()  # around the rows: join() may come from another thread
         slots = spec.capacity + spec.batch_size  # a fresh batch always has rows to go to
         self._rows: DeviceRows | None = None  # made with the first batch, which tells the leaves
         self._structure: Any = None
@@ -141,6 +145,7 @@ class DeviceEchoStage:
         self._last[chosen] = self.batches
         np.subtract.at(self._left, chosen, 1)  # 0: the row is free (the gather above is queued before any write)
         self.batches += 1
+        self._fresh.ahead()  # the next fresh batch's copy runs while the loop steps
         if self._spec.augment is not None:
             leaves = _augmented(self._spec.augment, self._structure, leaves, self._augment_seed, self.batches - 1)
             self.augmented += len(positions)
@@ -221,33 +226,20 @@ class DeviceEchoStage:
         """Takes one fresh batch in; False at the input's end, or with
         ``timeout_s=0`` where none is ready."""
         try:
-            batch = self._upstream.next(timeout_s)
-        except StopIteration:
-            self._done = True
-            return False
+            taken = self._fresh.take(timeout_s)
         except TimeoutError:
             if timeout_s == 0.0:
                 return False
             raise
-        self._take_in(batch, self._counts(batch))
+        if taken is None:
+            self._done = True
+            return False
+        batch, device = taken
+        self._take_in(batch, device, self._counts(batch))
         return True
 
-    def _counts(self, batch: Batch) -> np.ndarray:
-        """Deliveries owed (budget, with "auto") to each example of a fresh batch."""
-        spec, n = self._spec, len(batch)
-        factor = spec.echo_factor if spec.echo_factor is not None else spec.max_echo
-        whole, fraction = math.floor(factor), factor - math.floor(factor)
-        if spec.exact and spec.echo_factor is not None:  # by position: exactly floor(n * f) extra of n
-            seq = np.asarray(batch.rows, dtype=np.float64)
-            return whole + (np.floor((seq + 1) * fraction) - np.floor(seq * fraction)).astype(np.int64)
-        return whole + (self._rng.random(n) < fraction).astype(np.int64)
-
-    def _take_in(self, batch: Batch, counts: np.ndarray, arrival: np.ndarray | None = None,
-                 times: np.ndarray | None = None, last: np.ndarray | None = None) -> None:
-        """Copies a fresh batch to the device and into free rows, owed ``counts`` deliveries."""
-        n = len(batch)
-        if n == 0:
-            return
+    def _check(self, batch: Batch) -> None:
+        """A fresh batch, before its copy: the first tells the leaves; a leaf that cannot be kept is refused."""
         with self._lock:
             if self._stopped:
                 raise StopIteration
@@ -255,9 +247,26 @@ class DeviceEchoStage:
                 self._structure = batch.structure
                 self._rows = DeviceRows(self._spec.device, len(self._left), batch.structure.paths)
             self._rows.check_host(batch.arrays)
-            host = [leaf_to_torch(leaf) for leaf in batch.arrays]
-            self._mover.submit(host, on_done=host.clear)  # on the copy stream; host memory kept until done
-            device = self._mover.take()  # the consumer's stream waits for the copy
+
+    def _counts(self, batch: Batch) -> np.ndarray:
+        """Deliveries owed (budget, with "auto") to each example of a fresh batch."""
+        spec, n = self._spec, len(batch.rows)
+        factor = spec.echo_factor if spec.echo_factor is not None else spec.max_echo
+        whole, fraction = math.floor(factor), factor - math.floor(factor)
+        if spec.exact and spec.echo_factor is not None:  # by position: exactly floor(n * f) extra of n
+            seq = np.asarray(batch.rows, dtype=np.float64)
+            return whole + (np.floor((seq + 1) * fraction) - np.floor(seq * fraction)).astype(np.int64)
+        return whole + (self._rng.random(n) < fraction).astype(np.int64)
+
+    def _take_in(self, batch: Batch, device: list[Any], counts: np.ndarray, arrival: np.ndarray | None = None,
+                 times: np.ndarray | None = None, last: np.ndarray | None = None) -> None:
+        """Writes a fresh batch (its rows: positions; its leaves on the device) into free rows, owed ``counts``."""
+        n = len(batch.rows)
+        if n == 0:
+            return
+        with self._lock:
+            if self._stopped:
+                raise StopIteration
             if self._spec.echo_factor is None:
                 self._make_room(n)
             free = np.flatnonzero(self._left == 0)[:n]
@@ -294,7 +303,7 @@ class DeviceEchoStage:
         with self._lock:
             self._stopped = True
             try:
-                self._mover.close()
+                self._fresh.close()
             except Exception as exc:  # noqa: BLE001 - reported; the other stages still join
                 warnings.warn(f"EchoLoader: closing the device echo's copies: {type(exc).__name__}: {exc}",
                               RuntimeWarning, stacklevel=2)
@@ -303,8 +312,7 @@ class DeviceEchoStage:
                     self._rows.release()
 
     def counters(self) -> dict[str, Any]:
-        resident = int(np.count_nonzero(self._left))
-        memory = {"resident": resident, "rows": len(self._left),
+        memory = {"resident": int(np.count_nonzero(self._left)), "rows": len(self._left),
                   "bytes": self._rows.nbytes if self._rows is not None else 0, "evicted": self.evicted}
         return {"device_memory": memory, "augmented": self.augmented}
 
@@ -315,7 +323,8 @@ class DeviceEchoStage:
         return {"positions": self._position[rows].copy(), "left": self._left[rows].astype(np.uint32),
                 "times": self._times[rows].astype(np.uint32), "last": self._last[rows].copy(),
                 "arrival": self._arrival[rows].astype(np.uint64), "fresh": self.fresh, "batches": self.batches,
-                "evicted": self.evicted, "upstream_done": self._done, "rng": self._rng.bit_generator.state}
+                "evicted": self.evicted, "upstream_done": self._done, "rng": self._rng.bit_generator.state,
+                "pending": self._fresh.saved()}
 
     def _restore(self, state: dict[str, Any], read_batch: Callable[[dict[str, np.ndarray]], Batch]) -> None:
         self.batches, self.evicted, self._done = state["batches"], state["evicted"], state["upstream_done"]
@@ -323,8 +332,9 @@ class DeviceEchoStage:
         for start in range(0, len(positions), size):  # a batch at a time, through the same copies
             part = slice(start, start + size)
             batch = read_batch({"rows": positions[part]})
-            self._take_in(batch, state["left"][part].astype(np.int64), state["arrival"][part].astype(np.int64),
-                          state["times"][part].astype(np.int64), state["last"][part])
+            self._take_in(batch, self._fresh.copy(batch), state["left"][part].astype(np.int64),
+                          state["arrival"][part].astype(np.int64), state["times"][part].astype(np.int64),
+                          state["last"][part])
         self.fresh = state["fresh"]
         self._rng.bit_generator.state = state["rng"]
 
@@ -381,5 +391,6 @@ def check_state(spec: DeviceEchoSpec, state: dict, order: np.ndarray, where: str
     if not isinstance(state.get("rng"), dict):
         raise ValueError(f"{where}['rng']: expected a generator state (a dict)")
     return {"positions": positions, **arrays, "last": last.astype(np.int64), "rng": state["rng"],
+            "pending": checkpoint.batches_at(state, "pending", order, where),
             **{key: checkpoint.int_at(state, key, where) for key in ("fresh", "batches", "evicted")},
             "upstream_done": checkpoint.bool_at(state, "upstream_done", where)}
