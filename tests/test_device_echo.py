@@ -154,6 +154,15 @@ def test_a_state_the_stage_could_not_have_saved_is_refused_by_key():
         loader.load_state_dict(state)
 
 
+def test_a_state_saved_with_a_device_augment_resumes_only_a_loader_with_one():
+    with device_loader(device_augment=noisy) as loader:
+        epoch = iter(loader)
+        next(epoch)
+        state = loader.state_dict()
+    with device_loader() as loader, pytest.raises(ValueError, match="saved with device_augment='given'"):
+        loader.load_state_dict(state)
+
+
 def test_auto_refuses_a_state_mid_epoch_saying_why():
     with device_loader(echo_factor="auto") as loader:
         epoch = iter(loader)

@@ -162,6 +162,7 @@ class LoaderConfig:
             "deterministic": self.deterministic,
             "max_echo": self.echo.max_echo,
             "augment": "none" if self.augment is None else "rng" if self.augment_takes_rng else "own randomness",
+            "device_augment": None if self.device_augment is None else "given",  # None: as states without it
         }
 
 
