@@ -27,7 +27,9 @@ Three parts, in one run:
 
 ``--cpu`` runs every part on the CPU device at small sizes (as CI's device
 check does, so that what a GPU runs cannot rot); ``--device`` picks the device
-(default: CUDA where there is one). ``--budget-s`` bounds the run.
+(default: CUDA where there is one). ``--budget-s`` bounds the run (below 100 s,
+as in the device check, each cost row's epoch has half as many examples); the
+JSON is written after every part, so that a run cut short keeps what it found.
 
 Usage:
     python bench/bench_device_echo.py [--device cuda|cpu] [--budget-s 60] [--json PATH]
@@ -292,6 +294,22 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.budget_s
     tables, notes, errors = [], [], []
 
+    cost_rows: list[dict] = []
+
+    def document(final: bool) -> dict[str, Any]:
+        unfinished = [] if final else ["incomplete: the run had not ended when this was written"]
+        return {"name": "device_echo", "title": "Echo on the device, against echo on the host",
+                "command": "python bench/bench_device_echo.py" + (" --cpu" if args.cpu else f" --device {name}"),
+                "machine": common.machine(torch=torch.__version__, cuda=torch.version.cuda), "device": str(device),
+                "reading": READING, "tables": tables, "targets": _targets(cost_rows, tables, device.type == "cuda"),
+                "notes": notes + [f"error: {e}" for e in errors] + unfinished,
+                "seconds": round(time.perf_counter() - started, 1)}
+
+    def save(doc: dict[str, Any]) -> None:
+        if args.json:  # after every part: a later one that overruns the caller's limit leaves these
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
+
     def part(title: str, header: list[str], make: Any) -> None:
         try:
             rows = make()
@@ -301,10 +319,12 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - a failed part is reported; the others still run
             errors.append(f"{title}: {type(exc).__name__}: {exc}")
             print(f"{title}: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+        save(document(False))
 
-    sides, batch = ({64: 1024}, 64) if args.cpu else ({64: 16384, 224: 4096}, 128)
-    cost_rows: list[dict] = []
-
+    # Examples per epoch: half as many where the budget is short (the device check's).
+    halved = 1 if budget >= 100 else 2
+    sides = {64: 1024} if args.cpu else {64: 16384 // halved, 224: 4096 // halved}
+    batch = 64 if args.cpu else 128
     def cost_part() -> list[list[str]]:
         cost_rows.extend(costs(device, sides, batch))
         return cost_table(cost_rows, device.type == "cpu")[1]
@@ -318,23 +338,16 @@ def main(argv: list[str] | None = None) -> int:
 
     if importlib.util.find_spec("PIL") is None:
         notes.append("the demo's part left out: it decodes PNGs with Pillow, which is not installed here")
-    elif left > 10:
+    elif left > 15:
         part("the demo's time to target (0.9)", ["feeding", "steps to target", "seconds", "echo achieved"],
              lambda: demo_part(device, 0.9, max_seconds=max(5.0, left / 2 - 2)))
     else:
         notes.append("the demo's part left out: the budget was spent")
-    targets = _targets(cost_rows, tables, device.type == "cuda")
     if device.type == "cpu":
         notes.append("the CPU device: the device's work is the host's too ('of which device'); no GPU's times")
-    doc = {"name": "device_echo", "title": "Echo on the device, against echo on the host",
-           "command": "python bench/bench_device_echo.py" + (" --cpu" if args.cpu else f" --device {name}"),
-           "machine": common.machine(torch=torch.__version__, cuda=torch.version.cuda), "device": str(device),
-           "reading": READING, "tables": tables, "targets": targets,
-           "notes": notes + [f"error: {e}" for e in errors], "seconds": round(time.perf_counter() - started, 1)}
+    doc = document(True)
     common.print_document(doc)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+    save(doc)
     return 1 if errors else 0
 
 
