@@ -8,9 +8,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .. import _checks, _core
 
-__all__ = ["Echo", "exact_deliveries"]
+__all__ = ["Echo", "counts_at", "exact_deliveries"]
 
 
 @dataclass(frozen=True)
@@ -81,3 +83,13 @@ def exact_deliveries(count: int, factor: float) -> int:
     more for floor(count * f) of them (f = e - floor(e))."""
     whole = math.floor(factor)
     return count * whole + math.floor(count * (factor - whole))
+
+
+def counts_at(positions: np.ndarray, factor: float) -> np.ndarray:
+    """Deliveries of the examples at ``positions`` of an order with exact echo
+    counts (the native ``EchoCounts::by_seq``): floor(e), and one more for
+    exactly floor(n * f) of the first n positions."""
+    whole = math.floor(factor)
+    fraction = factor - whole
+    positions = np.asarray(positions, dtype=np.float64)
+    return (whole + np.floor((positions + 1) * fraction) - np.floor(positions * fraction)).astype(np.int64)

@@ -123,8 +123,9 @@ class Structure:
         return [Field(path or None, shape, dtype if dtype.isnative else dtype.newbyteorder("="), kind)
                 for path, (shape, dtype), kind in zip(self.paths, self.specs, self.kinds)]
 
-    def flatten(self, example: Any) -> list[Any]:
-        """The leaves of ``example`` in order, after checking its tree shape.
+    def flatten(self, example: Any, what: str = "example", keep: bool = False) -> list[Any]:
+        """The leaves of ``example`` in order, after checking its tree shape
+        (errors name ``what``; with ``keep``, tensors are not made arrays).
 
         Leaf shapes and dtypes are checked when the leaves are put into a buffer.
 
@@ -132,7 +133,7 @@ class Structure:
             TypeError: the tree shape differs (naming the path and both shapes).
         """
         leaves: list[Any] = []
-        flatten_into(self._root, example, "", leaves)
+        flatten_into(self._root, example, "", leaves, what, keep)
         return leaves
 
     def columns(self, examples: list) -> list[list]:

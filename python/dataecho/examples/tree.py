@@ -79,9 +79,12 @@ def join(path: str, key: str) -> str:
     return f"{path}/{key}" if path else key
 
 
-def flatten_into(node: Node, value: Any, path: str, out: list[Any]) -> None:
+def flatten_into(node: Node, value: Any, path: str, out: list[Any], what: str = "example",
+                 keep: bool = False) -> None:
+    """Appends ``value``'s leaves to ``out`` in ``node``'s order, after checking its tree shape (errors name
+    ``what``); tensors become arrays, or with ``keep`` stay as they are (device tensors)."""
     where = path or "the top"
-    if node.kind == "object":
+    if node.kind == "object" or (keep and node.kind in ("leaf", "raw", "ragged")):
         out.append(value)
         return
     if node.kind == "ragged":
@@ -89,7 +92,7 @@ def flatten_into(node: Node, value: Any, path: str, out: list[Any]) -> None:
         return
     if node.kind == "leaf":
         if isinstance(value, (Mapping, list)) or (isinstance(value, tuple)):
-            raise TypeError(f"example: expected an array at {where!r}, got a {type(value).__name__}")
+            raise TypeError(f"{what}: expected an array at {where!r}, got a {type(value).__name__}")
         out.append(as_leaf_array(value, path or "example") if is_torch_tensor(value) else value)
         return
     if node.kind == "raw":
@@ -97,12 +100,12 @@ def flatten_into(node: Node, value: Any, path: str, out: list[Any]) -> None:
         return
     if node.kind == "dict":
         if not isinstance(value, Mapping):
-            raise TypeError(f"example: expected a dict at {where!r}, got a {type(value).__name__}")
+            raise TypeError(f"{what}: expected a dict at {where!r}, got a {type(value).__name__}")
         mismatch = key_mismatch(node.keys, value)
         if mismatch is not None:
-            raise TypeError(f"example: keys differ at {where!r}: missing {mismatch[0]}, unexpected {mismatch[1]}")
+            raise TypeError(f"{what}: keys differ at {where!r}: missing {mismatch[0]}, unexpected {mismatch[1]}")
         for key, child in zip(node.keys, node.children):
-            flatten_into(child, value[key], join(path, key), out)
+            flatten_into(child, value[key], join(path, key), out, what, keep)
         return
     expected = {"tuple": tuple, "list": (list, range), "namedtuple": tuple}[node.kind]
     if not isinstance(value, expected) or len(value) != len(node.children):
@@ -112,11 +115,11 @@ def flatten_into(node: Node, value: Any, path: str, out: list[Any]) -> None:
             hint = (f"; a list whose length varies is a ragged leaf: declare it with "
                     f"EchoLoader(..., ragged=[{path!r}])")
         raise TypeError(
-            f"example: expected a {node.kind} of length {len(node.children)} at {where!r}, got {got}{hint}"
+            f"{what}: expected a {node.kind} of length {len(node.children)} at {where!r}, got {got}{hint}"
         )
     names = node.keys if node.kind == "namedtuple" else [str(i) for i in range(len(node.children))]
     for name, child, item in zip(names, node.children, value):
-        flatten_into(child, item, join(path, name), out)
+        flatten_into(child, item, join(path, name), out, what, keep)
 
 
 class Mismatch(Exception):

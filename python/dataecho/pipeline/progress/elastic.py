@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from ...config.echo import counts_at
+
 __all__ = ["Dealing", "assigned", "batches_of", "counts_by_position", "dealt", "start_batches"]
 
 _PAD_ROUNDS = 64  # a bound on padding passes (each adds a delivery to every rank short of the most)
@@ -63,10 +65,7 @@ class Dealing:
 def counts_by_position(first: int, count: int, factor: float) -> np.ndarray:
     """Deliveries of positions ``first`` to ``first + count - 1`` of an order
     with exact echo counts (the native ``EchoCounts::by_seq``)."""
-    whole = math.floor(factor)
-    fraction = factor - whole
-    positions = np.arange(first, first + count, dtype=np.float64)
-    return (whole + np.floor((positions + 1) * fraction) - np.floor(positions * fraction)).astype(np.int64)
+    return counts_at(np.arange(first, first + count), factor)
 
 
 def dealt(ledger: Any, dealing: Dealing) -> list[dict[str, Any]]:

@@ -26,7 +26,7 @@ copied on a side stream a batch ahead of need (dataecho.pipeline.stages.device_f
 and written into their rows on the consumer's stream, as are the gathers.
 
 Its state (exact checkpoints): the resident examples by position, with their
-counts and arrival numbers, the batches delivered, the generator's state and
+rows (slots), counts and arrival numbers, the batches delivered, the generator's state and
 the fresh batch taken ahead (``pending``); a resumed stage reads them again,
 copies them back to the device, and goes on choosing exactly as the
 uninterrupted one would.
@@ -43,6 +43,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ...config.echo import counts_at
 from ...tensors.convert import import_torch
 from .. import checkpoint
 from .device_fresh import FreshBatches
@@ -116,7 +117,7 @@ class DeviceEchoStage:
         self._left = np.zeros(slots, np.int64)  # deliveries still owed (budget left, "auto"); 0: a free row
         self._times = np.zeros(slots, np.int64)  # deliveries so far
         self._last = np.full(slots, -1, np.int64)  # the batch of the last delivery
-        self._arrival = np.zeros(slots, np.int64)  # fresh number: draws depend on it, never on the row
+        self._arrival = np.zeros(slots, np.int64)  # fresh number: in order, the oldest first
         self._position = np.zeros(slots, np.uint64)
         self._rng = np.random.default_rng(seed)
         self._done = self._stopped = False
@@ -140,7 +141,7 @@ class DeviceEchoStage:
             if self._rows is None or self._stopped:
                 raise StopIteration
             leaves = self._rows.gather(chosen)
-        positions = self._position[chosen].copy()
+        positions = self._position[chosen]
         np.add.at(self._times, chosen, 1)  # a row twice in a batch (the epoch's end) counts twice
         self._last[chosen] = self.batches
         np.subtract.at(self._left, chosen, 1)  # 0: the row is free (the gather above is queued before any write)
@@ -164,7 +165,10 @@ class DeviceEchoStage:
             raise StopIteration
         picks, left = [], self._left.copy()
         while rows:  # a round over every resident example before any repeats in the batch (epoch's end only)
-            eligible = self._by_arrival(np.flatnonzero(left > 0))
+            # Draws index the rows in row order: a resumed stage puts each example back in its row (slots).
+            eligible = np.flatnonzero(left > 0)
+            if spec.in_order:  # the oldest first
+                eligible = eligible[np.argsort(self._arrival[eligible], kind="stable")]
             count = min(rows, len(eligible))
             drawn = np.arange(count) if spec.in_order else self._rng.choice(len(eligible), count, replace=False)
             taken = eligible[drawn]
@@ -209,16 +213,13 @@ class DeviceEchoStage:
         return pulled
 
     def _undelivered(self) -> np.ndarray:
-        return self._by_arrival(np.flatnonzero((self._left > 0) & (self._times == 0)))
+        return np.flatnonzero((self._left > 0) & (self._times == 0))
 
     def _repeatable(self) -> np.ndarray:
         """Delivered examples with budget left, delivered ``gap`` batches ago or more:
         the least-delivered first, ties at random."""
         rows = np.flatnonzero((self._left > 0) & (self._times > 0) & (self._last <= self.batches - self._spec.gap))
         return rows[np.lexsort((self._rng.random(len(rows)), self._times[rows]))]
-
-    def _by_arrival(self, rows: np.ndarray) -> np.ndarray:
-        return rows[np.argsort(self._arrival[rows], kind="stable")]
 
     # ---- fresh examples ----
 
@@ -250,17 +251,17 @@ class DeviceEchoStage:
 
     def _counts(self, batch: Batch) -> np.ndarray:
         """Deliveries owed (budget, with "auto") to each example of a fresh batch."""
-        spec, n = self._spec, len(batch.rows)
-        factor = spec.echo_factor if spec.echo_factor is not None else spec.max_echo
-        whole, fraction = math.floor(factor), factor - math.floor(factor)
+        spec = self._spec
         if spec.exact and spec.echo_factor is not None:  # by position: exactly floor(n * f) extra of n
-            seq = np.asarray(batch.rows, dtype=np.float64)
-            return whole + (np.floor((seq + 1) * fraction) - np.floor(seq * fraction)).astype(np.int64)
-        return whole + (self._rng.random(n) < fraction).astype(np.int64)
+            return counts_at(batch.rows, spec.echo_factor)
+        factor = spec.echo_factor if spec.echo_factor is not None else spec.max_echo
+        whole = math.floor(factor)
+        return whole + (self._rng.random(len(batch.rows)) < factor - whole).astype(np.int64)
 
-    def _take_in(self, batch: Batch, device: list[Any], counts: np.ndarray, arrival: np.ndarray | None = None,
-                 times: np.ndarray | None = None, last: np.ndarray | None = None) -> None:
-        """Writes a fresh batch (its rows: positions; its leaves on the device) into free rows, owed ``counts``."""
+    def _take_in(self, batch: Batch, device: list[Any], counts: np.ndarray, saved: dict[str, Any] | None = None
+                 ) -> None:
+        """Writes a fresh batch (its rows: positions; its leaves on the device) into the first free rows, owed
+        ``counts``; restored (``saved``: its slots, arrival numbers, times and last batches), into its own."""
         n = len(batch.rows)
         if n == 0:
             return
@@ -269,12 +270,12 @@ class DeviceEchoStage:
                 raise StopIteration
             if self._spec.echo_factor is None:
                 self._make_room(n)
-            free = np.flatnonzero(self._left == 0)[:n]
+            free = np.flatnonzero(self._left == 0)[:n] if saved is None else saved["slots"]
             self._rows.write(free, device)
         self._left[free] = counts
-        self._times[free] = 0 if times is None else times
-        self._last[free] = -1 if last is None else last
-        self._arrival[free] = self.fresh + np.arange(n) if arrival is None else arrival
+        self._times[free] = 0 if saved is None else saved["times"]
+        self._last[free] = -1 if saved is None else saved["last"]
+        self._arrival[free] = self.fresh + np.arange(n) if saved is None else saved["arrival"]
         self._position[free] = np.asarray(batch.rows, dtype=np.uint64)
         self.fresh = max(self.fresh, int(self._arrival[free].max()) + 1)
 
@@ -319,8 +320,9 @@ class DeviceEchoStage:
     def state(self, timeout_s: float | None = None) -> dict[str, Any] | None:
         if self.unresumable is not None:
             return None
-        rows = self._by_arrival(np.flatnonzero(self._left))
-        return {"positions": self._position[rows].copy(), "left": self._left[rows].astype(np.uint32),
+        rows = np.flatnonzero(self._left)
+        return {"positions": self._position[rows].copy(), "slots": rows.astype(np.uint32),
+                "left": self._left[rows].astype(np.uint32),
                 "times": self._times[rows].astype(np.uint32), "last": self._last[rows].copy(),
                 "arrival": self._arrival[rows].astype(np.uint64), "fresh": self.fresh, "batches": self.batches,
                 "evicted": self.evicted, "upstream_done": self._done, "rng": self._rng.bit_generator.state,
@@ -332,9 +334,8 @@ class DeviceEchoStage:
         for start in range(0, len(positions), size):  # a batch at a time, through the same copies
             part = slice(start, start + size)
             batch = read_batch({"rows": positions[part]})
-            self._take_in(batch, self._fresh.copy(batch), state["left"][part].astype(np.int64),
-                          state["arrival"][part].astype(np.int64), state["times"][part].astype(np.int64),
-                          state["last"][part])
+            saved = {key: state[key][part].astype(np.int64) for key in ("slots", "arrival", "times", "last")}
+            self._take_in(batch, self._fresh.copy(batch), state["left"][part].astype(np.int64), saved)
         self.fresh = state["fresh"]
         self._rng.bit_generator.state = state["rng"]
 
@@ -347,29 +348,11 @@ def _augmented(augment: Callable[[Any, Any], Any], structure: Any, leaves: list[
     generator = torch.Generator(device=leaves[0].device)
     key = np.random.SeedSequence([seed, batch]).generate_state(1, np.uint64)[0]
     generator.manual_seed(int(key) >> 1)
-    found: list[Any] = []
-    _device_leaves(structure.root, augment(structure.unflatten(leaves), generator), "", found, torch)
+    found = structure.flatten(augment(structure.unflatten(leaves), generator), "device_augment", keep=True)
+    for leaf, path in zip(found, structure.paths):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"device_augment: expected a tensor at {path or 'the top'!r}, got {type(leaf).__name__}")
     return found
-
-
-def _device_leaves(node: Any, value: Any, path: str, out: list[Any], torch: Any) -> None:
-    """``device_augment``'s result, flattened in the structure's order (tensors kept as they are)."""
-    where = path or "the batch"
-    if node.kind in ("leaf", "raw"):
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"device_augment: expected a tensor at {where!r}, got {type(value).__name__}")
-        out.append(value)
-        return
-    if node.kind == "dict":
-        if not isinstance(value, dict) or set(value) != set(node.keys):
-            raise TypeError(f"device_augment: expected a dict with keys {list(node.keys)} at {where!r}")
-        for key, child in zip(node.keys, node.children):
-            _device_leaves(child, value[key], f"{path}/{key}" if path else str(key), out, torch)
-        return
-    if not isinstance(value, (tuple, list)) or len(value) != len(node.children):
-        raise TypeError(f"device_augment: expected a {node.kind} of {len(node.children)} at {where!r}")
-    for i, child in enumerate(node.children):
-        _device_leaves(child, value[i], f"{path}/{i}" if path else str(i), out, torch)
 
 
 def check_state(spec: DeviceEchoSpec, state: dict, order: np.ndarray, where: str) -> dict[str, Any]:
@@ -382,12 +365,17 @@ def check_state(spec: DeviceEchoSpec, state: dict, order: np.ndarray, where: str
     if len(positions) > spec.capacity + spec.batch_size or (len(positions) and positions.max() >= len(order)):
         raise ValueError(f"{where}['positions']: more than the buffer holds, or beyond the epoch's order")
     arrays = {key: checkpoint.array_at(state, key, dtype, where)
-              for key, dtype in (("left", np.uint32), ("times", np.uint32), ("arrival", np.uint64))}
+              for key, dtype in (("slots", np.uint32), ("left", np.uint32), ("times", np.uint32),
+                                 ("arrival", np.uint64))}
+    slots = arrays["slots"]
+    if len(np.unique(slots)) != len(slots) or (len(slots) and slots.max() >= spec.capacity + spec.batch_size):
+        raise ValueError(f"{where}['slots']: a row twice, or beyond the buffer's {spec.capacity + spec.batch_size}")
     last = np.asarray(state.get("last"))
     if last.ndim != 1 or not np.issubdtype(last.dtype, np.integer) or (last.size and last.min() < -1):
         raise ValueError(f"{where}['last']: expected a 1-d integer array of batch numbers (-1: none)")
     if any(len(a) != len(positions) for a in (*arrays.values(), last)) or (len(positions) and arrays["left"].min() < 1):
-        raise ValueError(f"{where}: positions, left, times, last and arrival differ in length, or a left below 1")
+        raise ValueError(f"{where}: positions, slots, left, times, last and arrival differ in length, "
+                         f"or a left below 1")
     if not isinstance(state.get("rng"), dict):
         raise ValueError(f"{where}['rng']: expected a generator state (a dict)")
     return {"positions": positions, **arrays, "last": last.astype(np.int64), "rng": state["rng"],
